@@ -1,0 +1,177 @@
+"""Range-op kernels on one GPU: every Triton kernel against its torch reference over a
+ResNet-50-sized fp32 weight block (its parameters in their arena slots, 25.6M elements),
+and torch.optim.SGD(fused=True) with momentum over ResNet-50's own parameters for scale.
+
+    python bench/kernels_bench.py
+
+First checks each kernel against the reference at that size (and that a skipped step
+changes no byte, and that an inf planted last is found), then times both: CUDA events,
+median of 50 after warm-up, GB/s against the bytes the op must move.
+"""
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torchvision
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernels import reference, triton_ops  # noqa: E402
+from kernels.reference import CHUNK  # noqa: E402
+from trainer.dtensor import slot_bytes  # noqa: E402
+from trainer.regions import Region  # noqa: E402
+
+WARMUP, REPEATS = 5, 50
+RTOL, ATOL = 1e-5, 1e-6  # float32 rounding; the GPU kernels contract a*b+c into FMAs
+DEVICE = torch.device("cuda")
+
+
+def scalar(value, dtype=torch.float32):
+    return torch.tensor([value], dtype=dtype, device=DEVICE)
+
+
+def resnet50_block():
+    """ResNet-50's parameters as slots of one flat fp32 block, and its chunk -> tensor map."""
+    model = torchvision.models.resnet50()
+    slots = [slot_bytes(tuple(p.shape), "fp32", Region.W_DEEP_CONV) // 4 for p in model.parameters()]
+    chunks = torch.tensor(slots) // CHUNK
+    chunk_segment = torch.repeat_interleave(torch.arange(len(slots), dtype=torch.int32), chunks)
+    return model, sum(slots), chunk_segment.to(DEVICE)
+
+
+def cases(n, chunk_segment):
+    """(name, function, arguments, bytes the op moves) for every kernel."""
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+
+    def rand(dtype=torch.float32):
+        return torch.randn(n, generator=gen, device=DEVICE).to(dtype)
+
+    w, g, m, e = rand(), rand(), rand(), rand()
+    v = rand().square()
+    lr, wd, mu, skip = scalar(0.1), scalar(5e-5), scalar(0.9), scalar(0, torch.int8)
+    adam = (scalar(1e-3), wd, scalar(0.9), scalar(0.999), scalar(1e-8), scalar(5, torch.int32), skip)
+    norms = torch.rand(int(chunk_segment[-1]) + 1, CHUNK, device=DEVICE)
+    found = scalar(0, torch.int8)
+    f32 = 4 * n
+    yield "sgd", "sgd_", (w, g, None, lr, wd, mu, skip, False), 3 * f32
+    yield "momentum", "sgd_", (w, g, m, lr, wd, mu, skip, False), 5 * f32
+    yield "nesterov", "sgd_", (w, g, m, lr, wd, mu, skip, True), 5 * f32
+    yield "adam", "adam_", (w, g, m, v, *adam, False), 7 * f32
+    yield "adamw", "adam_", (w, g, m, v, *adam, True), 7 * f32
+    yield "lars", "lars_", (w, g, m, norms, chunk_segment, lr, wd, mu, scalar(0.001), skip), 7 * f32
+    yield "lars_bias", "lars_bias_", (w, g, m, lr, wd, mu, skip), 5 * f32
+    yield "check_finite", "check_finite_", (g, found), f32
+    yield "unscale in place", "unscale_", (g, g, scalar(1 / 1024), found), 2 * f32
+    for half in (torch.float16, torch.bfloat16):
+        name = str(half).removeprefix("torch.")
+        yield f"unscale {name}", "unscale_", (rand(half), g, scalar(1 / 1024), found), f32 * 3 // 2
+        yield f"cast {name}", "cast_", (w, rand(half)), f32 * 3 // 2
+        yield f"swap {name}", "swap_", (rand(half), rand(half)), 2 * f32
+    yield "ema", "ema_", (e, w, scalar(0.999)), 3 * f32
+    yield "swap", "swap_", (w, e), 4 * f32
+
+
+def clone(args):
+    """Copies of the tensor arguments; an argument passed twice stays one tensor."""
+    copies = {id(a): a.clone() for a in args if isinstance(a, torch.Tensor)}
+    return [copies.get(id(a), a) for a in args]
+
+
+def max_rel_err(tri, ref):
+    finite = torch.isfinite(ref)
+    if not torch.equal(finite, torch.isfinite(tri)):
+        return float("inf")
+    if not finite.any():
+        return 0.0
+    t, r = tri[finite].double(), ref[finite].double()
+    return ((t - r).abs() / r.abs().clamp_min(ATOL / RTOL)).max().item()
+
+
+def check(name, fn, args):
+    """Worst relative error over every tensor argument, with the checks that need the GPU;
+    raises on a mismatch."""
+    outs = []
+    for impl in (reference, triton_ops):
+        copy = clone(args)
+        getattr(impl, fn)(*copy)
+        outs.append([a for a in copy if isinstance(a, torch.Tensor)])
+    ref, tri = outs
+    if fn == "lars_":  # the Triton twin leaves squared norms (kernels.triton_ops.lars_)
+        tri[3][:, :2] = tri[3][:, :2].sqrt()
+    exact = fn in ("cast_", "swap_", "check_finite_")
+    err = 0.0
+    for r, t in zip(ref, tri):
+        if exact and not torch.equal(r, t) or not torch.allclose(t, r, RTOL, ATOL, equal_nan=True):
+            raise AssertionError(f"{name}: Triton differs from the reference (max rel err {max_rel_err(t, r):.2e})")
+        err = max(err, max_rel_err(t, r) if t.is_floating_point() else 0.0)
+    if "skip" in fn_args(fn):  # a skipped step must leave every byte as it was
+        skipped = clone(args)
+        skipped[fn_args(fn).index("skip")] = scalar(1, torch.int8)
+        getattr(triton_ops, fn)(*skipped)
+        for before, after, arg in zip(args, skipped, fn_args(fn)):
+            if arg in ("w", "m", "v") and after is not None and not torch.equal(before, after):
+                raise AssertionError(f"{name}: a skipped step changed {arg}")
+    if fn in ("check_finite_", "unscale_"):  # an inf at the very end of the range is found
+        planted = clone(args)
+        planted[0][-1] = float("inf")
+        planted[-1].zero_()
+        getattr(triton_ops, fn)(*planted)
+        if planted[-1].item() != 1:
+            raise AssertionError(f"{name}: an inf in the last element was not found")
+    return err
+
+
+def fn_args(fn):
+    return getattr(reference, fn).__code__.co_varnames[:getattr(reference, fn).__code__.co_argcount]
+
+
+def median_ms(step):
+    for _ in range(WARMUP):
+        step()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(REPEATS)]
+    for start, end in events:
+        start.record()
+        step()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+def fused_sgd_ms(model):
+    """torch.optim.SGD(fused=True) with momentum over ResNet-50's parameter list."""
+    params = [p.to(DEVICE).detach().requires_grad_() for p in model.parameters()]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=5e-5, fused=True)
+    return median_ms(opt.step), 5 * 4 * sum(p.numel() for p in params)
+
+
+def main():
+    if not torch.cuda.is_available():
+        sys.exit("kernels_bench needs a CUDA GPU")
+    model, n, chunk_segment = resnet50_block()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
+          f"{__import__('triton').__version__}; weight block {n / 1e6:.2f}M fp32 elements, "
+          f"{len(chunk_segment.unique())} tensors, BLOCK {triton_ops.BLOCK}, {triton_ops.NUM_WARPS} warps")
+    rows = []
+    for name, fn, args, nbytes in cases(n, chunk_segment):
+        err = check(name, fn, args)
+        work = clone(args)  # timing repeats the op in place: keep the cases independent
+        times = [median_ms(lambda impl=impl: getattr(impl, fn)(*work)) for impl in (triton_ops, reference)]
+        rows.append((name, nbytes, err, *times))
+        print(f"  {name}: ok, triton {times[0]:.3f} ms, torch {times[1]:.3f} ms", flush=True)
+    sgd_ms, sgd_bytes = fused_sgd_ms(model)
+
+    gbps = lambda nbytes, ms: nbytes / ms / 1e6
+    print(f"\n{'kernel':18s} {'MB':>6s} {'max rel err':>11s} {'triton ms':>9s} {'GB/s':>6s} "
+          f"{'torch ms':>9s} {'GB/s':>6s} {'speed-up':>8s}")
+    for name, nbytes, err, tri, ref in rows:
+        print(f"{name:18s} {nbytes / 1e6:6.0f} {err:11.1e} {tri:9.3f} {gbps(nbytes, tri):6.0f} "
+              f"{ref:9.3f} {gbps(nbytes, ref):6.0f} {ref / tri:7.1f}x")
+    print(f"{'SGD fused (torch)':18s} {sgd_bytes / 1e6:6.0f} {'':11s} {'':9s} {'':6s} "
+          f"{sgd_ms:9.3f} {gbps(sgd_bytes, sgd_ms):6.0f}   (torch.optim, {len(list(model.parameters()))} tensors)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Torch reference implementations of the range-op kernels.
+
+Each works in place on flat tensors covering a whole region range, whatever the number
+of parameters in it. Scalars (learning rate, decay, flags, step) are 1-element tensors
+in device memory, so a captured graph reads their current values at every replay.
+`skip` is the int8 overflow flag: when it is set the update leaves every byte as it was.
+The Triton kernels in this package compute the same functions; tests hold them to these.
+"""
+import torch
+
+CHUNK = 128  # fp32 slots are multiples of 512 bytes: a 128-element chunk never straddles two tensors
+
+
+def _commit(skip: torch.Tensor, *pairs):
+    """Write new values over old ones unless the step is skipped."""
+    keep = skip.bool()
+    for old, new in pairs:
+        old.copy_(torch.where(keep, old, new))
+
+
+def sgd_(w, g, m, lr, wd, momentum, skip, nesterov: bool):
+    """torch.optim.SGD: d = g + wd*w; m = mu*m + d; w -= lr*(d + mu*m if nesterov else m)."""
+    d = g + wd * w
+    if m is None:
+        return _commit(skip, (w, w - lr * d))
+    m_new = momentum * m + d
+    step = d + momentum * m_new if nesterov else m_new
+    _commit(skip, (w, w - lr * step), (m, m_new))
+
+
+def adam_(w, g, m, v, lr, wd, beta1, beta2, eps, step, skip, decoupled: bool):
+    """torch.optim.Adam (L2 decay in the gradient) or AdamW (decoupled decay); `step` is
+    the count of updates including this one."""
+    t = step.to(torch.float32)
+    if decoupled:
+        w_dec = w * (1 - lr * wd)
+    else:
+        w_dec, g = w, g + wd * w
+    m_new = beta1 * m + (1 - beta1) * g
+    v_new = beta2 * v + (1 - beta2) * g * g
+    bias1, bias2 = 1 - beta1 ** t, 1 - beta2 ** t
+    denom = v_new.sqrt() / bias2.sqrt() + eps
+    _commit(skip, (w, w_dec - (lr / bias1) * m_new / denom), (m, m_new), (v, v_new))
+
+
+def segment_norms_(x, chunk_segment, out):
+    """out[s] = L2 norm of segment s of x; chunk_segment maps each 128-element chunk to
+    its segment (tensor) index."""
+    sums = torch.zeros(out.shape[0], dtype=torch.float32, device=x.device)
+    sums.index_add_(0, chunk_segment, x.view(-1, CHUNK).square().sum(1))
+    out.copy_(sums.sqrt())
+
+
+def lars_(w, g, m, norms, chunk_segment, lr, wd, momentum, eta, skip):
+    """MLPerf LARS on the weight block: per tensor trust = eta*|w| / (|g| + wd*|w|) (1 where
+    either norm is 0); m = mu*m + lr*trust*(g + wd*w); w -= m. norms is the N_ range as
+    (tensors, 128): column 0 gets |w|, column 1 |g|."""
+    segment_norms_(w, chunk_segment, norms[:, 0])
+    segment_norms_(g, chunk_segment, norms[:, 1])
+    wn, gn = norms[:, 0], norms[:, 1]
+    trust = torch.where((wn > 0) & (gn > 0), eta * wn / (gn + wd * wn), torch.ones_like(wn))
+    scaled = (lr * trust)[chunk_segment].unsqueeze(1)  # per chunk
+    m_new = momentum * m + (scaled * (g + wd * w).view(-1, CHUNK)).view(-1)
+    _commit(skip, (w, w - m_new), (m, m_new))
+
+
+def lars_bias_(w, g, m, lr, wd, momentum, skip):
+    """LARS's bias block: momentum with the learning rate inside, no trust ratio."""
+    m_new = momentum * m + lr * (g + wd * w)
+    _commit(skip, (w, w - m_new), (m, m_new))
+
+
+def check_finite_(x, found):
+    """found |= any element of x is not finite."""
+    found.copy_(found | (~torch.isfinite(x).all()).to(found.dtype))
+
+
+def unscale_(src, dst, inv_scale, found):
+    """dst = src * inv_scale in fp32 (src may be dst, or its half twin); found |= any
+    element of dst is not finite."""
+    dst.copy_(src.to(torch.float32) * inv_scale)
+    check_finite_(dst, found)
+
+
+def cast_(src, dst):
+    dst.copy_(src)
+
+
+def ema_(e, w, decay):
+    """e = decay*e + (1-decay)*w."""
+    e.lerp_(w, 1 - decay)
+
+
+def swap_(a, b):
+    tmp = a.clone()
+    a.copy_(b)
+    b.copy_(tmp)

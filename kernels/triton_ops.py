@@ -1,0 +1,243 @@
+"""Triton twins of kernels.reference: the same functions with the same signatures, each one
+fused pass over a flat range (every input read once, every output written once).
+
+Scalars (learning rate, decay, betas, step, skip flag, ...) stay in device memory and are
+loaded inside the kernels, so a captured CUDA graph replays with their current values.
+Nothing here synchronizes with the host or allocates, so every function can be captured.
+Set TRITON_INTERPRET=1 before importing this module to run it on CPU tensors.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from kernels.reference import CHUNK
+
+# Memory-bound kernels: 4096 elements per program gives a 25.6M-element range 6250 programs
+# (several waves on 132 SMs), and at 8 warps each thread moves 16 fp32 per tensor as four
+# 16-byte accesses. One BLOCK for every kernel keeps compilations to one per kernel variant.
+BLOCK = 4096
+NUM_WARPS = 8
+_CHUNK = tl.constexpr(CHUNK)
+_FP32_MAX = tl.constexpr(3.4028234663852886e38)
+
+
+# -- shared pieces ---------------------------------------------------------------------
+@triton.jit
+def _span(n, BLOCK: tl.constexpr):
+    """This program's element offsets and their in-range mask."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    return offs, offs < n
+
+
+@triton.jit
+def _chunk_tile(n, BLOCK: tl.constexpr):
+    """This program's elements as a (chunks, CHUNK) tile, for kernels that work per chunk."""
+    chunk = tl.program_id(0) * (BLOCK // _CHUNK) + tl.arange(0, BLOCK // _CHUNK)
+    offs = chunk[:, None] * _CHUNK + tl.arange(0, _CHUNK)[None, :]
+    return chunk, offs, offs < n
+
+
+@triton.jit
+def _live(skip_ptr):
+    """False on a skipped step: every load and store is then masked off, so no byte changes."""
+    return tl.load(skip_ptr) == 0
+
+
+@triton.jit
+def _pow(base, exponent):
+    """base ** exponent for an integer exponent >= 0, by squaring in float64 so that the
+    float32 result is as close as torch's pow (Adam's bias correction 1 - beta2**t cancels
+    most of its leading digits at small t, so a few float32 roundings would show)."""
+    b = base.to(tl.float64)
+    result = tl.full((), 1.0, tl.float64)
+    e = exponent
+    while e > 0:
+        result = tl.where((e & 1) == 1, result * b, result)
+        b = b * b
+        e = e >> 1
+    return result.to(tl.float32)
+
+
+def _launch(kernel, n: int, *args, **constexprs):
+    """One program per BLOCK elements. n stays a specialized argument: Triton then knows it
+    is a multiple of 16 (every range is a multiple of CHUNK), which keeps masked accesses
+    16 bytes wide, and since that holds for every range it adds no compilations."""
+    if n == 0:  # a disabled region: nothing to do
+        return
+    assert n + BLOCK <= 2**31, "offsets are int32: a range must stay under 2**31 elements"
+    kernel[(triton.cdiv(n, BLOCK),)](*args, n, BLOCK=BLOCK, num_warps=NUM_WARPS, **constexprs)
+
+
+# -- optimizer updates -----------------------------------------------------------------
+@triton.jit
+def _sgd_kernel(w_ptr, g_ptr, m_ptr, lr_ptr, wd_ptr, mu_ptr, skip_ptr, n,
+                HAS_M: tl.constexpr, NESTEROV: tl.constexpr, BLOCK: tl.constexpr):
+    offs, mask = _span(n, BLOCK)
+    mask &= _live(skip_ptr)
+    lr, wd = tl.load(lr_ptr), tl.load(wd_ptr)
+    w = tl.load(w_ptr + offs, mask)
+    d = tl.load(g_ptr + offs, mask) + wd * w
+    if HAS_M:
+        mu = tl.load(mu_ptr)
+        m = mu * tl.load(m_ptr + offs, mask) + d
+        tl.store(m_ptr + offs, m, mask)
+        if NESTEROV:
+            d = d + mu * m
+        else:
+            d = m
+    tl.store(w_ptr + offs, w - lr * d, mask)
+
+
+def sgd_(w, g, m, lr, wd, momentum, skip, nesterov: bool):
+    has_m = m is not None
+    _launch(_sgd_kernel, w.numel(), w, g, m if has_m else w, lr, wd, momentum, skip,
+            HAS_M=has_m, NESTEROV=has_m and nesterov)
+
+
+@triton.jit
+def _adam_kernel(w_ptr, g_ptr, m_ptr, v_ptr, lr_ptr, wd_ptr, b1_ptr, b2_ptr, eps_ptr, step_ptr,
+                 skip_ptr, n, DECOUPLED: tl.constexpr, BLOCK: tl.constexpr):
+    offs, mask = _span(n, BLOCK)
+    mask &= _live(skip_ptr)
+    lr, wd, b1, b2, eps = tl.load(lr_ptr), tl.load(wd_ptr), tl.load(b1_ptr), tl.load(b2_ptr), tl.load(eps_ptr)
+    t = tl.load(step_ptr)
+    # IEEE division and roots here and below, as torch computes them (Triton's defaults
+    # approximate them and flush denormals)
+    step_size = tl.div_rn(lr, 1 - _pow(b1, t))
+    bias2_sqrt = tl.sqrt_rn(1 - _pow(b2, t))
+    w = tl.load(w_ptr + offs, mask)
+    g = tl.load(g_ptr + offs, mask)
+    if DECOUPLED:
+        w = w * (1 - lr * wd)
+    else:
+        g = g + wd * w
+    m = b1 * tl.load(m_ptr + offs, mask) + (1 - b1) * g
+    v = b2 * tl.load(v_ptr + offs, mask) + (1 - b2) * g * g
+    tl.store(m_ptr + offs, m, mask)
+    tl.store(v_ptr + offs, v, mask)
+    tl.store(w_ptr + offs, w - tl.div_rn(step_size * m, tl.div_rn(tl.sqrt_rn(v), bias2_sqrt) + eps), mask)
+
+
+def adam_(w, g, m, v, lr, wd, beta1, beta2, eps, step, skip, decoupled: bool):
+    _launch(_adam_kernel, w.numel(), w, g, m, v, lr, wd, beta1, beta2, eps, step, skip,
+            DECOUPLED=decoupled)
+
+
+@triton.jit
+def _lars_norms_kernel(w_ptr, g_ptr, norms_ptr, norms_stride, seg_ptr, n, BLOCK: tl.constexpr):
+    """Adds |w|^2 and |g|^2 of this program's chunks into norms[segment, 0:2]. Chunks of one
+    segment are summed here first, so a program issues one atomic per segment it touches,
+    not one per chunk (a 2.4M-element conv would otherwise serialize 18K atomics on one word)."""
+    CHUNKS: tl.constexpr = BLOCK // _CHUNK
+    chunk, offs, mask = _chunk_tile(n, BLOCK)
+    w = tl.load(w_ptr + offs, mask)
+    g = tl.load(g_ptr + offs, mask)
+    seg = tl.load(seg_ptr + chunk, chunk * _CHUNK < n, other=-1)
+    same = seg[:, None] == seg[None, :]
+    w_sq = tl.sum(tl.where(same, tl.sum(w * w, 1)[None, :], 0.0), 1)
+    g_sq = tl.sum(tl.where(same, tl.sum(g * g, 1)[None, :], 0.0), 1)
+    index = tl.arange(0, CHUNKS)
+    first = tl.min(tl.where(same, index[None, :], CHUNKS), 1) == index  # segment's first chunk here
+    head = first & (seg >= 0)
+    tl.atomic_add(norms_ptr + seg * norms_stride, w_sq, mask=head, sem="relaxed")
+    tl.atomic_add(norms_ptr + seg * norms_stride + 1, g_sq, mask=head, sem="relaxed")
+
+
+@triton.jit
+def _lars_kernel(w_ptr, g_ptr, m_ptr, norms_ptr, norms_stride, seg_ptr, lr_ptr, wd_ptr, mu_ptr,
+                 eta_ptr, skip_ptr, n, TRUST: tl.constexpr, BLOCK: tl.constexpr):
+    """m = mu*m + lr*trust*(g + wd*w); w -= m, with one trust ratio per chunk from the
+    squared norms (TRUST) or none (the bias block)."""
+    chunk, offs, mask = _chunk_tile(n, BLOCK)
+    mask &= _live(skip_ptr)
+    lr, wd, mu = tl.load(lr_ptr), tl.load(wd_ptr), tl.load(mu_ptr)
+    if TRUST:
+        seg = tl.load(seg_ptr + chunk, chunk * _CHUNK < n, other=0)
+        wn = tl.sqrt_rn(tl.load(norms_ptr + seg * norms_stride))
+        gn = tl.sqrt_rn(tl.load(norms_ptr + seg * norms_stride + 1))
+        use = (wn > 0) & (gn > 0)
+        trust = tl.where(use, tl.div_rn(tl.load(eta_ptr) * wn, gn + wd * wn), 1.0)
+        scaled = (lr * trust)[:, None]
+    else:
+        scaled = lr
+    w = tl.load(w_ptr + offs, mask)
+    g = tl.load(g_ptr + offs, mask)
+    m = mu * tl.load(m_ptr + offs, mask) + scaled * (g + wd * w)
+    tl.store(m_ptr + offs, m, mask)
+    tl.store(w_ptr + offs, w - m, mask)
+
+
+def lars_(w, g, m, norms, chunk_segment, lr, wd, momentum, eta, skip):
+    """Three launches: zero the norms, sum squares per segment, update. Unlike the reference,
+    norms[:, 0:2] is left holding the squared norms |w|^2, |g|^2 (the update takes the root)."""
+    assert w.numel() == chunk_segment.numel() * CHUNK
+    norms[:, :2].zero_()
+    _launch(_lars_norms_kernel, w.numel(), w, g, norms, norms.stride(0), chunk_segment)
+    _launch(_lars_kernel, w.numel(), w, g, m, norms, norms.stride(0), chunk_segment,
+            lr, wd, momentum, eta, skip, TRUST=True)
+
+
+def lars_bias_(w, g, m, lr, wd, momentum, skip):
+    # The pointers a bias update never reads (norms, segments, eta) are filled with w and lr.
+    _launch(_lars_kernel, w.numel(), w, g, m, w, 0, w, lr, wd, momentum, lr, skip, TRUST=False)
+
+
+# -- loss scaling, casts, EMA ----------------------------------------------------------
+@triton.jit
+def _convert_kernel(src_ptr, dst_ptr, inv_scale_ptr, found_ptr, n, SCALE: tl.constexpr,
+                    WRITE: tl.constexpr, CHECK: tl.constexpr, BLOCK: tl.constexpr):
+    """dst = src (* inv_scale) in dst's type; with CHECK, found = 1 if any result is not finite."""
+    offs, mask = _span(n, BLOCK)
+    x = tl.load(src_ptr + offs, mask).to(tl.float32)
+    if SCALE:
+        x = x * tl.load(inv_scale_ptr)
+    if WRITE:
+        tl.store(dst_ptr + offs, x.to(dst_ptr.dtype.element_ty), mask)
+    if CHECK:
+        # inf exceeds the largest float; nan differs from itself
+        bad = tl.max(((tl.abs(x) > _FP32_MAX) | (x != x)).to(tl.int32), 0) > 0
+        # A plain store: int8 has no atomics, and every writer writes the same 1.
+        tl.store(found_ptr, 1, mask=bad)
+
+
+def check_finite_(x, found):
+    _launch(_convert_kernel, x.numel(), x, x, found, found, SCALE=False, WRITE=False, CHECK=True)
+
+
+def unscale_(src, dst, inv_scale, found):
+    assert src.numel() == dst.numel() and dst.dtype == torch.float32
+    _launch(_convert_kernel, dst.numel(), src, dst, inv_scale, found, SCALE=True, WRITE=True, CHECK=True)
+
+
+def cast_(src, dst):
+    assert src.numel() == dst.numel()
+    _launch(_convert_kernel, dst.numel(), src, dst, dst, dst, SCALE=False, WRITE=True, CHECK=False)
+
+
+@triton.jit
+def _ema_kernel(e_ptr, w_ptr, decay_ptr, n, BLOCK: tl.constexpr):
+    offs, mask = _span(n, BLOCK)
+    weight = 1 - tl.load(decay_ptr)
+    e = tl.load(e_ptr + offs, mask)
+    w = tl.load(w_ptr + offs, mask)
+    diff = w - e
+    # torch.lerp's two-sided formula: e stays bit for bit when decay is 1 (a step without EMA)
+    tl.store(e_ptr + offs, tl.where(tl.abs(weight) < 0.5, e + weight * diff, w - diff * (1 - weight)), mask)
+
+
+def ema_(e, w, decay):
+    _launch(_ema_kernel, e.numel(), e, w, decay)
+
+
+@triton.jit
+def _swap_kernel(a_ptr, b_ptr, n, BLOCK: tl.constexpr):
+    offs, mask = _span(n, BLOCK)
+    a = tl.load(a_ptr + offs, mask)
+    b = tl.load(b_ptr + offs, mask)
+    tl.store(a_ptr + offs, b, mask)
+    tl.store(b_ptr + offs, a, mask)
+
+
+def swap_(a, b):
+    assert a.numel() == b.numel() and a.dtype == b.dtype
+    _launch(_swap_kernel, a.numel(), a, b)

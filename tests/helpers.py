@@ -1,0 +1,35 @@
+"""Shared builders for tests: a small CNN bound into an arena with its range ops."""
+import torch
+from torch import nn
+
+import kernels.reference as reference
+from trainer.arena import Arena
+from trainer.binding import bind
+from trainer.plan import PlanConfig
+from trainer.planner import build_plans
+from trainer.range_ops import RangeOps
+from trainer.schedule import Hyperparameters
+from trainer.variants import derive_variants
+
+
+def small_cnn(layers: int = 2, seed: int = 0, width: int = 8, classes: int = 5) -> nn.Module:
+    torch.manual_seed(seed)
+    mods, cin = [], 3
+    for _ in range(layers):
+        mods += [nn.Conv2d(cin, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU()]
+        cin = width
+    return nn.Sequential(*mods, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, classes))
+
+
+def bound(model: nn.Module, steps: int = 20, batch: int = 4, resolution: int = 8, classes: int = 5,
+          kernels=reference, **config):
+    """(plans, arena, ops) for `model` bound into a fresh CPU arena."""
+    plans = build_plans(model, PlanConfig(schedule_steps=steps, **config),
+                        derive_variants(16 * batch, 4 * batch, batch, batch, resolution), classes)
+    arena = Arena(plans.main)
+    bind(model, plans.tensors["train_base"], arena)
+    return plans, arena, RangeOps(plans.main, arena, kernels)
+
+
+def hyper(lr=0.05, wd=1e-2, momentum=0.9, beta2=0.999, eps=1e-8, eta=0.001) -> Hyperparameters:
+    return Hyperparameters(lr, lr, wd, 0.0, momentum, beta2, eps, eta)

@@ -1,0 +1,54 @@
+"""bind(): the model computes in the arena exactly what it computed before."""
+import copy
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from tests.helpers import bound, small_cnn
+from trainer.models import build_model
+from trainer.regions import Region as R
+
+
+@pytest.mark.parametrize("name", ["resnet18", "cifar_resnet", "fastnet"])
+def test_bound_model_computes_what_it_computed_before(name):
+    torch.manual_seed(0)
+    model = build_model(name, 10).to(memory_format=torch.channels_last)
+    reference = copy.deepcopy(model)
+    bound(model, classes=10, resolution=32)
+    x = torch.randn(4, 3, 32, 32).to(memory_format=torch.channels_last)
+    for mode in ("eval", "train"):
+        getattr(model, mode)()
+        getattr(reference, mode)()
+        torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+    # training-mode BN updated the running statistics in the arena like the original's
+    ours = dict(model.named_buffers())
+    for n, rb in reference.named_buffers():
+        if not n.endswith("num_batches_tracked"):  # the trainer's step count replaces these
+            torch.testing.assert_close(ours[n], rb, rtol=0, atol=0, msg=n)
+
+
+def test_parameters_gradients_and_statistics_are_arena_views():
+    model = small_cnn()
+    plans, arena, _ = bound(model, amp=True)
+    storage = arena.storage.untyped_storage().data_ptr()
+    for p in model.parameters():
+        assert p.untyped_storage().data_ptr() == storage and p.grad.untyped_storage().data_ptr() == storage
+    conv = model[0]
+    assert conv.weight.dtype == torch.float16 and conv.weight.grad.dtype == torch.float16
+    assert model[1].weight.dtype == torch.float32, "BN weights stay fp32 under AMP"
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last)
+    assert model[1].running_mean.untyped_storage().data_ptr() == storage
+    # backward accumulates straight into the gradient regions
+    F.cross_entropy(model(torch.randn(2, 3, 8, 8).half()).float(), torch.tensor([0, 1])).backward()
+    assert arena.flat(R.G_FC_WEIGHT_FP16, R.G_DEEP_CONV_FP16).abs().sum() > 0
+    assert arena.flat(R.G_BN_BIAS, R.G_BN_WEIGHT).abs().sum() > 0
+
+
+def test_amp_model_matches_fp32_to_half_precision():
+    model, reference = small_cnn(), small_cnn()
+    bound(model, amp=True)
+    x = torch.randn(4, 3, 8, 8)
+    model.eval()
+    reference.eval()
+    torch.testing.assert_close(model(x.half()).float(), reference(x), rtol=2e-2, atol=2e-2)

@@ -1,0 +1,210 @@
+"""The Triton kernels against their torch references: on CPU through Triton's interpreter,
+or on the GPU where there is one.
+
+Every test runs both implementations on clones of the same random inputs and compares
+every element of every tensor argument, so an output element a kernel forgot to write
+(dst outputs start as nan) or a byte a skipped step changed shows up; sentinels after
+each tensor catch writes past the end of a range.
+"""
+import os
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:  # before triton.jit decorates the kernels; on a GPU they run compiled
+    os.environ["TRITON_INTERPRET"] = "1"
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+
+pytest.importorskip("triton", reason="Triton is not installed: its kernels cannot be tested")
+
+import kernels  # noqa: E402
+from kernels import reference, triton_ops  # noqa: E402
+from kernels.reference import CHUNK  # noqa: E402
+from trainer.errors import ConfigError  # noqa: E402
+
+N = CHUNK * 37  # two programs, the second one partly out of range
+assert N % triton_ops.BLOCK
+HALF = (torch.float16, torch.bfloat16)
+GUARD, SENTINEL = triton_ops.BLOCK, 77
+# float32 rounding: the interpreter computes in the reference's order, the GPU contracts
+# a*b + c into FMAs
+RTOL, ATOL = (1e-5, 1e-6) if ON_GPU else (2e-6, 1e-7)
+
+
+def rand(*shape, seed=0, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+
+
+def scalar(value, dtype=torch.float32):
+    return torch.tensor([value], dtype=dtype, device=DEVICE)
+
+
+def guarded_clone(a):
+    """A copy of a inside a buffer that continues with GUARD sentinel elements, which
+    catch writes past the end of a range."""
+    buf = torch.full((a.numel() + GUARD,), SENTINEL, dtype=a.dtype, device=a.device)
+    buf[:a.numel()] = a.flatten()
+    return buf, buf[:a.numel()].view(a.shape)
+
+
+def run_both(fn_name, *args):
+    """Call reference and Triton on guarded clones of args (an argument passed twice stays
+    one tensor); check the guards and return both argument lists."""
+    outs = []
+    for impl in (reference, triton_ops):
+        clones = {id(a): guarded_clone(a) for a in args if isinstance(a, torch.Tensor)}
+        copy = [clones[id(a)][1] if id(a) in clones else a for a in args]
+        getattr(impl, fn_name)(*copy)
+        for buf, view in clones.values():
+            assert (buf[view.numel():] == SENTINEL).all(), f"{impl.__name__}.{fn_name} wrote past a range"
+        outs.append([a for a in copy if isinstance(a, torch.Tensor)])
+    return outs
+
+
+def assert_same(ref, tri, rtol=RTOL, atol=ATOL):
+    for r, t in zip(ref, tri):
+        torch.testing.assert_close(t, r, rtol=rtol, atol=atol, equal_nan=True)
+
+
+def assert_untouched(before, after):
+    for b, a in zip(before, after):
+        assert torch.equal(b, a), "a skipped step changed its tensors"
+
+
+def hyper(lr=0.1, wd=1e-2, skip=0):
+    return scalar(lr), scalar(wd), scalar(skip, torch.int8)
+
+
+@pytest.mark.parametrize("skip", [0, 1])
+@pytest.mark.parametrize("rule", ["sgd", "momentum", "nesterov"])
+def test_sgd(rule, skip):
+    lr, wd, flag = hyper(skip=skip)
+    w, g, m = rand(N, seed=1), rand(N, seed=2), (None if rule == "sgd" else rand(N, seed=3))
+    args = [w, g, m, lr, wd, scalar(0.9), flag, rule == "nesterov"]
+    ref, tri = run_both("sgd_", *args)
+    assert_same(ref, tri)
+    if skip:
+        assert_untouched([w, g] + ([m] if m is not None else []), tri)
+
+
+@pytest.mark.parametrize("skip", [0, 1])
+@pytest.mark.parametrize("step", [1, 5])
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_adam(decoupled, step, skip):
+    lr, wd, flag = hyper(lr=1e-3, skip=skip)
+    w, g, m, v = rand(N, seed=1), rand(N, seed=2), rand(N, seed=3) * 0.1, rand(N, seed=4).square() * 0.01
+    ref, tri = run_both("adam_", w, g, m, v, lr, wd, scalar(0.9), scalar(0.999), scalar(1e-8),
+                        scalar(step, torch.int32), flag, decoupled)
+    assert_same(ref, tri)
+    if skip:
+        assert_untouched([w, g, m, v], tri)
+
+
+@pytest.mark.parametrize("skip", [0, 1])
+def test_lars(skip):
+    # Chunks per segment: segment 2 crosses the program boundary at chunk 32; segment 1 has
+    # |w| = 0 and segment 3 |g| = 0 (trust ratio 1 for both).
+    lengths = torch.tensor([3, 1, 30, 1, 2])
+    chunk_segment = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), lengths).to(DEVICE)
+    starts = (torch.cumsum(lengths, 0) - lengths) * CHUNK
+    w, g, m = rand(N, seed=1), rand(N, seed=2), rand(N, seed=3)
+    w[starts[1]:starts[1] + CHUNK] = 0
+    g[starts[3]:starts[3] + CHUNK] = 0
+    norms = rand(len(lengths), CHUNK, seed=4)  # junk the op must overwrite (columns 0, 1) or keep
+    lr, wd, flag = hyper(skip=skip)
+    ref, tri = run_both("lars_", w, g, m, norms, chunk_segment, lr, wd, scalar(0.9), scalar(0.02), flag)
+    # The Triton twin leaves squared norms behind (kernels.triton_ops.lars_).
+    tri[3][:, :2] = tri[3][:, :2].sqrt()
+    assert_same(ref, tri)
+    if skip:
+        assert_untouched([w, g, m], tri[:3])
+
+
+@pytest.mark.parametrize("skip", [0, 1])
+def test_lars_bias(skip):
+    lr, wd, flag = hyper(skip=skip)
+    w, g, m = rand(N, seed=1), rand(N, seed=2), rand(N, seed=3)
+    ref, tri = run_both("lars_bias_", w, g, m, lr, wd, scalar(0.9), flag)
+    assert_same(ref, tri)
+    if skip:
+        assert_untouched([w, g, m], tri)
+
+
+@pytest.mark.parametrize("plant", [None, "inf", "nan"])
+@pytest.mark.parametrize("found", [0, 1])
+def test_check_finite(plant, found):
+    x = rand(N, seed=1)
+    if plant:
+        x[-1] = float(plant)
+    ref, tri = run_both("check_finite_", x, scalar(found, torch.int8))
+    assert_same(ref, tri)
+    assert tri[1].item() == (1 if plant or found else 0)
+
+
+@pytest.mark.parametrize("plant", [None, "inf", "nan"])
+@pytest.mark.parametrize("src_dtype", ["same", *HALF])
+def test_unscale(src_dtype, plant):
+    src = rand(N, seed=1) * 1024
+    if src_dtype == "same":  # in place
+        dst = src
+    else:
+        src, dst = src.to(src_dtype), torch.full((N,), float("nan"), device=DEVICE)
+    if plant:
+        src[-1] = float(plant)
+    ref, tri = run_both("unscale_", src, dst, scalar(1 / 1024), scalar(0, torch.int8))
+    assert_same(ref, tri)
+    assert tri[-1].item() == (1 if plant else 0)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+@pytest.mark.parametrize("dtype", HALF)
+def test_cast(dtype):
+    src = rand(N, seed=1) * 100
+    src[0] = 1e5  # overflows fp16 to inf, as torch does
+    ref, tri = run_both("cast_", src, torch.full((N,), float("nan"), dtype=dtype, device=DEVICE))
+    assert torch.equal(ref[0], tri[0])
+    if dtype == torch.bfloat16 and not ON_GPU:  # the interpreter truncates to bf16: 1 ulp
+        assert_same(ref, tri, rtol=2 ** -7, atol=0)
+    else:  # rounded to nearest even, as torch does
+        assert torch.equal(ref[1], tri[1])
+
+
+@pytest.mark.parametrize("decay", [0.999, 1.0])
+def test_ema(decay):
+    e, w = rand(N, seed=1), rand(N, seed=2)
+    ref, tri = run_both("ema_", e, w, scalar(decay))
+    assert_same(ref, tri)
+    if decay == 1.0:
+        assert torch.equal(tri[0], e), "a step without EMA changed the EMA weights"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF])
+def test_swap(dtype):
+    a, b = rand(N, seed=1, dtype=dtype), rand(N, seed=2, dtype=dtype)
+    ref, tri = run_both("swap_", a, b)
+    assert torch.equal(tri[0], b) and torch.equal(tri[1], a)
+
+
+def test_every_reference_function_has_a_twin():
+    public = {n for n, f in vars(reference).items() if callable(f) and not n.startswith("_")
+              and f.__module__ == reference.__name__}
+    # segment_norms_ is a step of the reference lars_; the Triton lars_ fuses it away.
+    assert public - set(vars(triton_ops)) == {"segment_norms_"}
+
+
+def test_load(monkeypatch):
+    cpu = torch.device("cpu")
+    assert kernels.load("torch", cpu) is reference
+    assert kernels.load("auto", cpu) is reference
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert kernels.load("triton", cpu) is triton_ops
+    with pytest.raises(ConfigError, match="kernels="):
+        kernels.load("cuda", cpu)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ConfigError, match="CUDA device"):
+        kernels.load("triton", cpu)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setitem(__import__("sys").modules, "triton", None)  # as if not installed
+    with pytest.raises(ConfigError, match="not importable"):
+        kernels.load("triton", cpu)

@@ -1,0 +1,54 @@
+"""The fused loss op and test-time augmentation against torch."""
+import torch
+from torch.nn import functional as F
+
+from trainer import tta
+from trainer.loss import cross_entropy_
+
+
+def test_loss_gradient_and_metrics_equal_torch_with_label_smoothing():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(16, 10, generator=g, requires_grad=True)
+    labels = torch.randint(0, 10, (16,), generator=g, dtype=torch.int32)
+    results = tuple(torch.zeros(1) for _ in range(3))
+    grad = torch.empty(16, 10)
+    scale = torch.tensor([8.0])
+    cross_entropy_(logits, labels, 0.2, results, grad_out=grad, grad_scale=scale)
+    expected = F.cross_entropy(logits, labels.long(), label_smoothing=0.2)
+    expected.backward()
+    torch.testing.assert_close(results[0], expected.detach().reshape(1))
+    torch.testing.assert_close(grad, logits.grad * 8.0)
+    top5 = torch.topk(logits, 5, 1).indices
+    assert results[1].item() == (top5[:, 0] == labels).float().mean().item()
+    assert results[2].item() == (top5 == labels[:, None]).any(1).float().mean().item()
+
+
+def test_masked_examples_do_not_count():
+    logits = torch.randn(6, 4)
+    labels = torch.tensor([0, 1, 2, 3, 0, 1], dtype=torch.int32)
+    mask = torch.tensor([1, 1, 1, 1, 0, 0], dtype=torch.int8)
+    results = tuple(torch.zeros(1) for _ in range(3))
+    cross_entropy_(logits, labels, 0.0, results, mask=mask)
+    torch.testing.assert_close(results[0], F.cross_entropy(logits[:4], labels[:4].long()).reshape(1))
+
+
+def test_non_finite_loss_raises_the_sticky_flag():
+    flag = torch.zeros(1, dtype=torch.int8)
+    results = tuple(torch.zeros(1) for _ in range(3))
+    cross_entropy_(torch.full((2, 3), float("nan")), torch.tensor([0, 1]), 0.0, results, nan_seen=flag)
+    assert flag.item() == 1
+    cross_entropy_(torch.randn(2, 3), torch.tensor([0, 1]), 0.0, results, nan_seen=flag)
+    assert flag.item() == 1, "the flag stays raised until the host has read it"
+
+
+def test_tta_logits_are_the_weighted_average_of_the_views():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.LazyLinear(5))
+    x = torch.randn(2, 3, 8, 8)
+    model(x)
+    assert torch.equal(tta.logits(model, x, 0), model(x))
+    torch.testing.assert_close(tta.logits(model, x, 1), (model(x) + model(x.flip(-1))) / 2)
+    pad = F.pad(x, (1, 1, 1, 1), mode="reflect")
+    up_left, down_right = pad[..., :8, :8], pad[..., 2:, 2:]
+    translated = sum(model(v) + model(v.flip(-1)) for v in (up_left, down_right)) / 4
+    torch.testing.assert_close(tta.logits(model, x, 2), 0.5 * (model(x) + model(x.flip(-1))) / 2 + 0.5 * translated)

@@ -1,0 +1,193 @@
+"""The Hydra entry in plan mode: `python run.py mode=plan ...` prints the region map and writes
+plan.json, whose shape other tools rely on; bad input exits non-zero with one message."""
+import json
+import os
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from trainer.regions import Region
+
+ROOT = Path(__file__).resolve().parents[1]
+SIX = ("BN_BIAS", "BN_WEIGHT", "FC_BIAS", "FC_WEIGHT", "FIRST_CONV", "DEEP_CONV")
+HALF = ("FC_WEIGHT", "FIRST_CONV", "DEEP_CONV")
+W_EQ = {"W_EQ_BIAS", "W_EQ_SCALE"}
+E32, E16 = {f"E_{k}" for k in SIX}, {f"E_{k}_FP16" for k in HALF}
+AMP_ONLY = {f"A_{k}" for k in HALF} | {f"G_{k}_FP16" for k in HALF} | {
+    "S_SCALAR_FP16", "F_FEATURE_FP16", "F_GRAD_SLOT_FP16"}
+FP32_ONLY = {"F_FEATURE_FP32", "F_GRAD_SLOT_FP32"}
+M, V, N = {f"M_{k}" for k in SIX}, {f"V_{k}" for k in SIX}, {f"N_{k}" for k in HALF}
+
+# name -> (overrides, the regions the design's table disables for that configuration)
+CONFIGS = {
+    "lars_amp_ema": (["optimizer=lars", "amp=true", "ema=true"], W_EQ | V | FP32_ONLY),
+    "sgd_fold_partial": (["optimizer=sgd", "amp=false", "fold_bn=true", "trainer.batch_size=100",
+                          "trainer.drop_last=false"], E32 | E16 | AMP_ONLY | M | V | N),
+    "adam_amp": (["optimizer=adam", "amp=true"], W_EQ | E32 | E16 | N | FP32_ONLY),
+    "resnet50_lars_amp_ema": (["model=resnet50", "optimizer=lars", "amp=true", "ema=true"],
+                              W_EQ | V | FP32_ONLY),
+}
+DTYPES = {"fp32", "fp16", "int32", "int8"}
+
+
+def run_plan(run_dir: Path, *overrides) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run([sys.executable, "run.py", "mode=plan", *overrides, f"hydra.run.dir={run_dir}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+# Bad input: overrides, what the message must name, whether it is the app's own one-line message
+BAD = {
+    "unknown-optimizer-group": (["optimizer=foo"], "optimizer/foo", False),
+    "misspelled-key": (["trainer.bach_size=3"], "bach_size", False),
+    "negative-batch-size": (["trainer.batch_size=-3"], "trainer.batch_size=-3", True),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every command of this file run once, side by side (each takes seconds, mostly start-up):
+    name -> (process, plan.json or None)."""
+    def one(name):
+        run_dir = tmp_path_factory.mktemp(name)
+        proc = run_plan(run_dir, *(CONFIGS[name][0] if name in CONFIGS else BAD[name][0]))
+        path = run_dir / "plan.json"
+        return name, (proc, json.loads(path.read_text()) if path.exists() else None)
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        return dict(pool.map(one, [*CONFIGS, *BAD]))
+
+
+def finished(runs, name):
+    proc, plan = runs[name]
+    assert proc.returncode == 0, proc.stderr
+    assert plan is not None, "no plan.json in the run directory"
+    return proc, plan
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_plan_json_shape(runs, name):
+    _, plan = finished(runs, name)
+    assert set(plan) == {"total_bytes", "fingerprint", "config", "variants", "regions"}
+    assert isinstance(plan["total_bytes"], int) and re.fullmatch(r"[0-9a-f]{8,}", plan["fingerprint"])
+    assert isinstance(plan["config"], dict)
+    assert plan["variants"] and all(set(v) == {"name", "batch", "resolution"} for v in plan["variants"])
+    assert plan["variants"][0]["name"] == "train_base"
+
+    regions = plan["regions"]
+    assert [(r["index"], r["name"]) for r in regions] == [(int(r), r.name) for r in Region]
+    assert len(regions) == 68
+    cursor, ids = 0, []
+    for r in regions:
+        assert set(r) == {"index", "name", "enabled", "base_offset", "bytes", "tensors"}
+        assert r["base_offset"] == cursor, r["name"]  # regions in order, packed
+        if not r["enabled"]:
+            assert r["bytes"] == 0 and r["tensors"] == [], r["name"]
+        assert r["bytes"] == sum(t["slot_bytes"] for t in r["tensors"])
+        assert len({t["dtype"] for t in r["tensors"]}) <= 1, r["name"]
+        for t in r["tensors"]:
+            assert set(t) == {"id", "name", "shape", "dtype", "offset", "slot_bytes"}
+            assert t["dtype"] in DTYPES
+            assert t["offset"] == cursor and t["offset"] % 256 == 0 and t["slot_bytes"] % 256 == 0
+            assert t["shape"] and all(isinstance(s, int) and s > 0 for s in t["shape"])
+            cursor += t["slot_bytes"]
+            ids.append(t["id"])
+    assert plan["total_bytes"] == cursor
+    assert sorted(ids) == list(range(len(ids)))
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_enabled_regions_and_config(runs, name):
+    _, plan = finished(runs, name)
+    overrides, disabled = CONFIGS[name]
+    assert {r["name"] for r in plan["regions"] if not r["enabled"]} == disabled
+    set_ = dict(o.split("=") for o in overrides)
+    config = plan["config"]
+    assert config["optimizer"] == set_["optimizer"]
+    assert config["amp"] == (set_.get("amp") == "true")
+    assert config["ema"] == (set_.get("ema") == "true")
+    assert config["fold_bn"] == (set_.get("fold_bn") == "true")
+
+
+def expected_dtype(region: str, amp: bool) -> str:
+    if region in ("I_A_DATA", "I_B_DATA"):
+        return "fp16" if amp else "fp32"  # the first conv reads AMP input without a cast
+    if region in ("I_A_LABEL", "I_B_LABEL", "S_SCALAR_INT32", "T_TEMP_INT32", "R_PREDICTED_LABEL"):
+        return "int32"
+    if region in ("S_SCALAR_INT8", "S_MASK", "T_TEMP_INT8"):
+        return "int8"
+    return "fp16" if region.startswith("A_") or region.endswith("FP16") else "fp32"
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_dtypes_per_region(runs, name):
+    _, plan = finished(runs, name)
+    for r in plan["regions"]:
+        for t in r["tensors"]:
+            assert t["dtype"] == expected_dtype(r["name"], plan["config"]["amp"]), (r["name"], t["name"])
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_prints_the_region_table(runs, name):
+    proc, plan = finished(runs, name)
+    for r in plan["regions"]:
+        row = (rf"^\s*{r['index']}\s+{r['name']}\s+{'yes' if r['enabled'] else 'no'}\s+{len(r['tensors'])}"
+               rf"\s+{r['bytes']:,}\s+{r['base_offset']:,}\s*$")
+        assert re.search(row, proc.stdout, re.M), f"no table row for {r['name']}: {row}"
+    assert f"{plan['total_bytes']:,}" in proc.stdout and plan["fingerprint"] in proc.stdout
+
+
+def test_variants_of_a_partial_last_batch(runs):
+    # synthetic data: 4096 training and 1024 evaluation examples at 16x16; batch 100 keeps
+    # 4096 % 100 = 96 as a last training batch and 1024 % 100 = 24 as a last evaluation batch
+    _, plan = finished(runs, "sgd_fold_partial")
+    assert plan["variants"] == [
+        {"name": "train_base", "batch": 100, "resolution": 16}, {"name": "train_last", "batch": 96, "resolution": 16},
+        {"name": "val_base", "batch": 100, "resolution": 16}, {"name": "val_last", "batch": 24, "resolution": 16}]
+    data = {r["name"]: r["tensors"] for r in plan["regions"]}["I_A_DATA"]
+    assert [t["shape"] for t in data] == [[100, 16, 16, 3]]
+
+
+def test_resnet50_plan(runs):
+    _, plan = finished(runs, "resnet50_lars_amp_ema")
+    count = {r["name"]: len(r["tensors"]) for r in plan["regions"]}
+    for family in ("W", "G", "M", "E"):
+        assert (count[f"{family}_FIRST_CONV"], count[f"{family}_DEEP_CONV"], count[f"{family}_BN_WEIGHT"],
+                count[f"{family}_FC_WEIGHT"], count[f"{family}_FC_BIAS"]) == (1, 52, 53, 1, 1), family
+    for family in ("A_{}", "G_{}_FP16", "E_{}_FP16", "N_{}"):
+        assert [count[family.format(k)] for k in HALF] == [1, 1, 52], family
+    assert count["B_NEXT_MEAN"] == count["B_PREV_VAR"] == 53
+
+    # the fp32 weight range and its fp16 twin line up element for element in the file too
+    by_name = {r["name"]: r for r in plan["regions"]}
+    for wide, narrow in ((("W_FC_WEIGHT", "W_FIRST_CONV", "W_DEEP_CONV"), ("A_FC_WEIGHT", "A_FIRST_CONV", "A_DEEP_CONV")),
+                         (("G_FC_WEIGHT", "G_FIRST_CONV", "G_DEEP_CONV"),
+                          ("G_FC_WEIGHT_FP16", "G_FIRST_CONV_FP16", "G_DEEP_CONV_FP16"))):
+        ws = [t for n in wide for t in by_name[n]["tensors"]]
+        hs = [t for n in narrow for t in by_name[n]["tensors"]]
+        w0, h0 = by_name[wide[0]]["base_offset"], by_name[narrow[0]]["base_offset"]
+        assert len(ws) == len(hs) == 54
+        for w, h in zip(ws, hs):
+            assert w["shape"] == h["shape"] and (w["offset"] - w0) == 2 * (h["offset"] - h0), w["name"]
+
+
+def test_fingerprints_differ_between_configurations(runs):
+    prints = [finished(runs, name)[1]["fingerprint"] for name in CONFIGS]
+    assert len(set(prints)) == len(prints)
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_bad_input_is_one_message_without_traceback(runs, name):
+    proc, plan = runs[name]
+    _, needle, own_message = BAD[name]
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "Traceback" not in output
+    assert needle in output, output
+    if own_message:  # the app's error: said once, on one line, not echoed a second time
+        assert sum(needle in line for line in output.splitlines()) == 1, output
+    assert plan is None

@@ -1,0 +1,87 @@
+"""The Hydra application: validate the configuration, then run the requested mode."""
+import json
+import logging
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from trainer.config import TrainConfig, validate
+from trainer.errors import CheckpointError, TrainerError
+
+log = logging.getLogger("trainer")
+
+
+def run_plan(cfg: TrainConfig, run_dir: Path):
+    from trainer.report import region_table
+    from trainer.setup import make_plans
+    plans = make_plans(cfg)[1]
+    print(region_table(plans))
+    (run_dir / "plan.json").write_text(json.dumps(plans.to_json(), indent=1))
+    log.info("wrote %s", run_dir / "plan.json")
+
+
+def run_train(cfg: TrainConfig, run_dir: Path):
+    from trainer import dist
+    from trainer.loop import Trainer
+    trainer = Trainer(cfg, run_dir, dist.from_env())
+    if trainer.dist.is_main:
+        (run_dir / "plan.json").write_text(json.dumps(trainer.plans.to_json(), indent=1))
+    summary = trainer.fit()
+    log.info("summary: %s", json.dumps(summary))
+
+
+def _checkpoint_path(cfg: TrainConfig) -> str:
+    path = cfg.checkpoint or cfg.trainer.resume
+    if not path:
+        raise CheckpointError(f"mode={cfg.mode} needs checkpoint=PATH (a checkpoint file or a run directory)")
+    return path
+
+
+def run_eval(cfg: TrainConfig, run_dir: Path):
+    from trainer import dist
+    from trainer.loop import Trainer
+    cfg.trainer.resume = _checkpoint_path(cfg)
+    trainer = Trainer(cfg, run_dir, dist.from_env())
+    result = trainer.evaluate()
+    print(json.dumps(result))
+    (run_dir / "summary.json").write_text(json.dumps({**result, "checkpoint": cfg.trainer.resume}, indent=1))
+
+
+def run_export(cfg: TrainConfig, run_dir: Path):
+    import torch
+
+    from trainer import checkpoint
+    from trainer.arena import Arena
+    from trainer.binding import bind
+    from trainer.export import state_dict
+    from trainer.setup import make_plans
+    model, plans = make_plans(cfg)
+    arena = Arena(plans.main)
+    tensors = plans.tensors[plans.variants[0].name]
+    bind(model, tensors, arena)
+    path = _checkpoint_path(cfg)
+    checkpoint.load(Path(path), arena, checkpoint.identity(cfg))
+    torch.save(state_dict(tensors, arena, cfg.ema), run_dir / "model_state_dict.pt")
+    log.info("wrote %s (from %s)", run_dir / "model_state_dict.pt", path)
+
+
+def run_bench(cfg: TrainConfig, run_dir: Path):
+    from trainer import bench, dist
+    device = dist.device_for(cfg.device, dist.from_env())
+    text = bench.run(cfg, device, cfg.bench.optimizers)
+    print(text)
+    (run_dir / "bench.md").write_text(text + "\n")
+
+
+MODES = {"plan": run_plan, "train": run_train, "eval": run_eval, "export": run_export, "bench": run_bench}
+
+
+def main(dict_cfg: DictConfig):
+    try:
+        cfg = validate(OmegaConf.to_object(dict_cfg))
+        run_dir = Path(HydraConfig.get().runtime.output_dir)
+        MODES[cfg.mode](cfg, run_dir)
+    except TrainerError as e:
+        log.error("%s", e)
+        raise SystemExit(2)

@@ -1,0 +1,62 @@
+"""Arena: one uint8 allocation per device that holds every tensor of a MemoryPlan."""
+import torch
+
+from trainer.dtensor import DTensor, ITEMSIZE, padded_channels
+from trainer.errors import PlanError
+from trainer.future import TensorFuture
+from trainer.plan import MemoryPlan
+from trainer.regions import Region, storage_dtype
+
+HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class Arena:
+    def __init__(self, plan: MemoryPlan, device: torch.device | str = "cpu"):
+        self.plan = plan
+        self.device = torch.device(device)
+        self.half = HALF[plan.config.amp_dtype]
+        # Zero-filled: slot padding must hold finite values, since range ops sweep it too.
+        self.storage = torch.zeros(plan.total_bytes, dtype=torch.uint8, device=self.device)
+
+    def torch_dtype(self, dtype: str) -> torch.dtype:
+        return {"fp32": torch.float32, "fp16": self.half, "int32": torch.int32, "int8": torch.int8}[dtype]
+
+    def _alias(self, offset: int, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+        """A tensor over arena bytes with a version counter of its own. Plain views would
+        share the storage's counter, and then a BN statistics update in the forward pass
+        would look like a modification of every weight autograd saved for backward."""
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        return torch.empty(0, dtype=dtype, device=self.device).set_(
+            self.storage.untyped_storage(), offset // itemsize, shape)
+
+    def view(self, t: DTensor, padded: bool = False) -> torch.Tensor:
+        """The DTensor's memory as a tensor. 4-D shapes come back NCHW in channels_last
+        memory, the layout the model computes in; padded=True gives the whole padded NHWC
+        slot contents instead (what the input pipeline writes)."""
+        full = padded_channels(t.shape, t.dtype, t.region)
+        x = self._alias(t.offset, self.torch_dtype(t.dtype), full)
+        if padded:
+            return x
+        if full != t.shape:
+            x = x[..., :t.shape[-1]]
+        return x.permute(0, 3, 1, 2) if len(t.shape) == 4 else x
+
+    def flat(self, start: Region, end: Region | None = None) -> torch.Tensor:
+        """Regions start..end as one flat tensor of their (common) element type."""
+        end = start if end is None else end
+        amp = self.plan.config.amp
+        if storage_dtype(start, amp) != storage_dtype(end, amp):
+            raise PlanError(f"{start.name}..{end.name} mixes element types: no flat view")
+        offset, nbytes = self.plan.range(start, end)
+        dtype = self.torch_dtype(storage_dtype(start, amp))
+        return self._alias(offset, dtype, (nbytes // ITEMSIZE[storage_dtype(start, amp)],))
+
+    def __getitem__(self, t: DTensor) -> torch.Tensor:
+        return self.view(t)
+
+    def to_host_async(self, what: DTensor | Region | tuple) -> TensorFuture:
+        """A DTensor, a region or a (start, end) region range, copied to the host behind
+        the work already enqueued; see TensorFuture."""
+        if isinstance(what, DTensor):
+            return TensorFuture(self.view(what))
+        return TensorFuture(self.flat(*what) if isinstance(what, tuple) else self.flat(what))

@@ -1,0 +1,159 @@
+"""mode=bench: our training step against the loops a PyTorch user writes by hand, side by
+side in one process, on the same model, batch, resolution and device, with synthetic
+input already on the device. Each method's numbers: median ms/step, images/s, peak
+device memory, and time to first step (build, warm-up, capture and one step)."""
+import copy
+import gc
+import statistics
+import time
+from dataclasses import dataclass
+from datetime import date
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+from trainer.config import TrainConfig
+from trainer.feeder import BUFFERS
+from trainer.setup import assemble, make_model
+
+
+@dataclass
+class Result:
+    method: str
+    ms: float
+    images_per_s: float
+    peak_gib: float
+    first_step_s: float
+
+
+def _timed_steps(step, steps: int, warmup: int, device) -> list[float]:
+    """Per-step milliseconds: device events around each step on a GPU, host clock on a CPU."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            times.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t0) * 1000)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return [s.elapsed_time(e) for s, e in times]
+    return times
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _fresh(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_gib(device) -> float:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+
+
+def plain_loop(cfg: TrainConfig, method: str, device) -> Result:
+    """The hand-written loop: channels_last, autocast (bf16, or fp16 with GradScaler),
+    fused SGD with momentum, optionally torch.compile."""
+    _fresh(device)
+    t0 = time.perf_counter()
+    b, r = cfg.trainer.batch_size, cfg.data.resolution
+    model = make_model(cfg).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=cfg.optimizer.weight_decay,
+                          **({"fused": True} if device.type == "cuda" else {}))
+    dtype = torch.float16 if "fp16" in method else torch.bfloat16
+    scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+    net = torch.compile(model) if method.startswith("compile") else model
+    x = torch.randn(b, 3, r, r, device=device).to(memory_format=torch.channels_last)
+    y = torch.randint(0, cfg.model.num_classes, (b,), device=device)
+
+    def step():
+        with torch.autocast(device.type, dtype=dtype):
+            loss = F.cross_entropy(net(x), y)
+        opt.zero_grad(set_to_none=True)
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+
+    step()
+    _sync(device)
+    first = time.perf_counter() - t0
+    ms = statistics.median(_timed_steps(step, cfg.bench.steps, cfg.bench.warmup, device))
+    result = Result(method, ms, b / ms * 1000, _peak_gib(device), first)
+    del model, opt, net, x, y
+    return result
+
+
+def ours(cfg: TrainConfig, device) -> Result:
+    """The trainer's step: plan, arena, bind, range ops, one captured graph per buffer."""
+    _fresh(device)
+    t0 = time.perf_counter()
+    engine = assemble(cfg, device)
+    tensors = engine.plans.tensors["train_base"]
+    gen = torch.Generator(device).manual_seed(0)
+    for buf in BUFFERS:
+        data = engine.arena.view(tensors.input.data[buf], padded=True)
+        data[..., :3].copy_(torch.randn(data[..., :3].shape, generator=gen, device=device))
+        engine.arena[tensors.input.label[buf]].random_(0, cfg.model.num_classes, generator=gen)
+    engine.executor.capture([("train_base", b) for b in BUFFERS])
+    i = 0
+
+    def step():
+        nonlocal i
+        engine.executor.run("train_base", BUFFERS[i % 2])
+        i += 1
+
+    step()
+    _sync(device)
+    first = time.perf_counter() - t0
+    ms = statistics.median(_timed_steps(step, cfg.bench.steps, cfg.bench.warmup, device))
+    name = f"ours {cfg.optimizer.name}" + (f" {cfg.amp_dtype}" if cfg.amp else " fp32") + (
+        "" if engine.executor.use_graphs else " eager")
+    result = Result(name, ms, cfg.trainer.batch_size / ms * 1000, _peak_gib(device), first)
+    del engine
+    return result
+
+
+def table(cfg: TrainConfig, results: list[Result], device) -> str:
+    ref = {r.method: r for r in results}
+    eager, compiled = ref.get("eager_bf16"), ref.get("compile_bf16")
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    lines = [f"{cfg.model.name}, batch {cfg.trainer.batch_size}, {cfg.data.resolution}x{cfg.data.resolution}, "
+             f"{gpu}, torch {torch.__version__}, {date.today().isoformat()}", "",
+             "| method | ms/step | images/s | vs eager bf16 | vs compile bf16 | peak GiB | first step s |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results:
+        vs = lambda base: f"{r.images_per_s / base.images_per_s:.2f}x" if base else "-"
+        lines.append(f"| {r.method} | {r.ms:.2f} | {r.images_per_s:,.0f} | {vs(eager)} | {vs(compiled)} | "
+                     f"{r.peak_gib:.2f} | {r.first_step_s:.1f} |")
+    return "\n".join(lines)
+
+
+def run(cfg: TrainConfig, device, optimizers: list[str]) -> str:
+    results = [plain_loop(cfg, m, device) for m in cfg.bench.baselines]
+    for name in optimizers:
+        c = copy.deepcopy(cfg)
+        c.optimizer.name = name
+        results.append(ours(c, device))
+    text = table(cfg, results, device)
+    if cfg.bench.out:
+        with open(Path(cfg.bench.out), "a") as f:
+            f.write("\n" + text + "\n")
+    return text

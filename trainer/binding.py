@@ -1,0 +1,57 @@
+"""bind(): make a model compute in the arena. Parameters, gradients and BN statistics
+become arena views, initialized from the model's own values."""
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from trainer.arena import Arena
+from trainer.planner import ModelTensors
+
+
+class HalfLinear(nn.Linear):
+    """Under AMP the weight is a half view (A region) while the bias stays an fp32 master
+    (no half bias region exists): the bias is cast in the forward pass, a tiny op that
+    autograd carries back to the fp32 gradient."""
+
+    def forward(self, x):
+        return F.linear(x, self.weight, None if self.bias is None else self.bias.to(x.dtype))
+
+
+def bind(model: nn.Module, tensors: ModelTensors, arena: Arena) -> nn.Module:
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        for name, t in tensors.params.items():
+            p = params[name]
+            master = arena[t.w]
+            master.copy_(p)
+            for twin in (t.a, t.e, t.e16):
+                if twin is not None:
+                    arena[twin].copy_(master)
+            # Autograd sees the tensor the forward pass computes with: the half copy under
+            # AMP, else the master. Its preset .grad makes backward accumulate in place.
+            p.data = arena[t.a if t.a is not None else t.w]
+            p.grad = arena[t.g16 if t.g16 is not None else t.g]
+        for name, s in tensors.bn.items():
+            bn = modules[name]
+            for view, value in ((s.next_mean, bn.running_mean), (s.next_var, bn.running_var),
+                                (s.prev_mean, bn.running_mean), (s.prev_var, bn.running_var)):
+                arena[view].copy_(value)
+            # Training updates NEXT; the count is the trainer's step, so no per-layer counter.
+            bn.num_batches_tracked = None
+        use_statistics(model, tensors, arena, "next")
+    if arena.plan.config.amp:
+        for m in model.modules():
+            if type(m) is nn.Linear:
+                m.__class__ = HalfLinear
+    return model
+
+
+def use_statistics(model: nn.Module, tensors: ModelTensors, arena: Arena, which: str):
+    """Point BatchNorm at B_NEXT (what training updates) or B_PREV (the rank-averaged copy
+    that evaluation reads). A captured graph keeps the addresses it was captured with."""
+    modules = dict(model.named_modules())
+    for name, s in tensors.bn.items():
+        bn = modules[name]
+        mean, var = (s.next_mean, s.next_var) if which == "next" else (s.prev_mean, s.prev_var)
+        bn.running_mean, bn.running_var = arena[mean], arena[var]

@@ -1,0 +1,111 @@
+"""Checkpoints: the arena's persistent regions and state scalars, written atomically.
+
+A checkpoint holds raw region bytes, so restoring it is bit-exact. It is accepted only by
+a plan whose persistent regions have the same layout (the state fingerprint); otherwise
+the message says which model, optimizer or region differs.
+"""
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from trainer.arena import Arena
+from trainer.errors import CheckpointError
+from trainer.plan import Baseline, MemoryPlan
+from trainer.regions import Region
+
+# Weights, EMA, half copies, BN statistics and optimizer moments: what training accumulates.
+STATE_REGIONS = tuple(r for r in Region if r.name[0] in "BWEAMVN")
+STATE_SCALARS = (Baseline.STEP, Baseline.OPT_STEP, Baseline.GOOD_STEPS, Baseline.LOSS_SCALE)
+IDENTITY = ("model", "optimizer", "amp", "amp_dtype", "ema")
+
+
+def identity(cfg) -> dict:
+    """What a checkpoint records of the run that wrote it, to explain a refusal."""
+    return {"model": cfg.model.name, "optimizer": cfg.optimizer.name, "amp": cfg.amp,
+            "amp_dtype": cfg.amp_dtype, "ema": cfg.ema}
+
+
+def state_fingerprint(plan: MemoryPlan) -> str:
+    rows = [(t.region.name, t.name, t.dtype, list(t.shape), t.slot_bytes)
+            for r in STATE_REGIONS for t in plan.regions[r]]
+    return hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
+
+
+def save(path: Path, arena: Arena, meta: dict):
+    plan = arena.plan
+    payload = {
+        "fingerprint": plan.fingerprint(),
+        "state_fingerprint": state_fingerprint(plan),
+        "layout": {r.name: [t.name for t in plan.regions[r]] for r in STATE_REGIONS},
+        "meta": meta,
+        "regions": {r.name: _region_bytes(arena, r).cpu().clone() for r in STATE_REGIONS if plan.region_bytes(r)},
+        "scalars": {b.name: arena[plan[b]].cpu().clone() for b in STATE_SCALARS},
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(payload, tmp)
+    os.replace(tmp, path)  # a crash mid-write leaves the previous checkpoint untouched
+
+
+def load(path: Path, arena: Arena, meta_now: dict) -> dict:
+    """Restore the arena's persistent state from `path`; returns the checkpoint's meta."""
+    payload = read(path)
+    plan = arena.plan
+    if payload["state_fingerprint"] != state_fingerprint(plan):
+        raise CheckpointError(f"checkpoint {path} does not fit this run: {_difference(payload, plan, meta_now)}")
+    for name, data in payload["regions"].items():
+        _region_bytes(arena, Region[name]).copy_(data)
+    for name, value in payload["scalars"].items():
+        arena[plan[Baseline[name]]].copy_(value)
+    return payload["meta"]
+
+
+def read(path: Path) -> dict:
+    path = Path(path)
+    if path.is_dir():
+        path = latest(path)
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint at {path}: give trainer.resume a checkpoint file or a run directory")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}: {e}); "
+                              f"it may be truncated: use an earlier one") from None
+    if not isinstance(payload, dict) or "state_fingerprint" not in payload:
+        raise CheckpointError(f"{path} is not a checkpoint written by this trainer")
+    return payload
+
+
+def latest(run_dir: Path) -> Path:
+    """The newest checkpoint of a run directory (or of its checkpoints/ folder)."""
+    folder = run_dir / "checkpoints" if (run_dir / "checkpoints").is_dir() else run_dir
+    found = sorted(folder.glob("epoch_*.pt"))
+    if not found:
+        raise CheckpointError(f"no checkpoints (epoch_*.pt) in {folder}")
+    return found[-1]
+
+
+def prune(folder: Path, keep: int):
+    for old in sorted(folder.glob("epoch_*.pt"))[:-keep]:
+        old.unlink()
+
+
+def _region_bytes(arena: Arena, region: Region) -> torch.Tensor:
+    offset, nbytes = arena.plan.range(region)
+    return arena.storage[offset:offset + nbytes]
+
+
+def _difference(payload: dict, plan: MemoryPlan, meta_now: dict) -> str:
+    then = payload["meta"]
+    changed = [f"{k}: checkpoint {then.get(k)!r}, this run {meta_now.get(k)!r}"
+               for k in IDENTITY if then.get(k) != meta_now.get(k)]
+    if changed:
+        return "; ".join(changed)
+    for r in STATE_REGIONS:
+        ours = [t.name for t in plan.regions[r]]
+        if payload["layout"].get(r.name) != ours:
+            return f"region {r.name} holds different tensors (another model or plan)"
+    return "the tensors' shapes differ (another model width, depth or number of classes)"

@@ -1,0 +1,200 @@
+"""The configuration schema. Hydra composes conf/ onto these dataclasses, so a misspelled
+key or a value of the wrong type fails at composition; validate() then rejects values
+that type-check but cannot work. Both end in one message and a non-zero exit."""
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import II, MISSING
+
+from trainer.errors import ConfigError
+from trainer.plan import OPTIMIZERS, PlanConfig
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING  # resnet18 | resnet34 | resnet50 | resnet101 | cifar_resnet | fastnet
+    num_classes: int = II("data.num_classes")
+    depth: int = 20  # cifar_resnet: 6n+2
+    width: int = 16  # cifar_resnet: first stage's channels (16 is the paper's; more is "wide")
+    widths: list[int] = field(default_factory=lambda: [64, 256, 256])  # fastnet: channels per group
+    stem: str = "imagenet"  # torchvision ResNets: imagenet (7x7, max-pool) | cifar (3x3, no max-pool)
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = MISSING  # sgd | momentum | nesterov | adam | adamw | lars
+    lr: float = 0.1  # peak learning rate, at the nominal batch size below
+    momentum: float = 0.9  # momentum for SGD variants and LARS; beta1 for Adam
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 5e-4
+    bias_weight_decay: bool = False  # decay the bias block (BN and FC biases, BN weights) too
+    bias_lr_scale: float = 1.0  # the bias block's lr multiplier; its decay is not scaled with it
+    lars_eta: float = 0.001  # LARS trust coefficient
+    # Decoupled form: lr and weight decay are per 1024 examples and independent of momentum,
+    # so a recipe keeps its meaning when batch size or momentum change.
+    decoupled: bool = False
+    nominal_batch: int = 0  # lr scales linearly with batch / nominal_batch; 0: no scaling
+
+
+@dataclass
+class ScheduleConfig:
+    name: str = "cosine"  # constant | cosine | linear | step | poly
+    warmup_epochs: float = 0.0  # linear warm-up from warmup_start_fraction of the peak
+    warmup_start_fraction: float = 0.0
+    final_fraction: float = 0.0  # lr at the end, as a fraction of the peak
+    milestones: list[float] = field(default_factory=list)  # step: epochs where lr is multiplied by gamma
+    gamma: float = 0.1
+    power: float = 2.0  # poly
+
+
+@dataclass
+class DataConfig:
+    name: str = "synthetic"  # synthetic | cifar10 | imagefolder
+    root: str = ""  # a folder of class folders, or a .tgz archive of one (cifar10)
+    num_classes: int = 10
+    resolution: int = 32  # training crop and evaluation size
+    train_size: int = 0  # synthetic: examples to generate; others: 0 (all)
+    val_size: int = 0
+    crop_padding: int = 4  # small-image random crop: pad by this, crop back
+    flip: str = "random"  # random | alternating | none
+    val_resize: float = 1.14  # imagefolder evaluation: resize the short side to resolution*this, center crop
+    min_crop_area: float = 0.25  # imagefolder training: random-resized crop area range [this, 1]
+    threads: int = 4
+    seed_offset: int = 0
+    tta: int = 0  # evaluation views: 0 none, 1 flip, 2 flip and one-pixel translations
+
+
+@dataclass
+class TrainerConfig:
+    epochs: float = 8.0  # fractional: the last epoch stops part way
+    batch_size: int = 128  # per GPU
+    val_batch_size: int = 0  # 0: batch_size
+    drop_last: bool = True
+    seed: int = 0
+    label_smoothing: float = 0.0
+    lowres_epochs: int = 0  # progressive resizing: train these first epochs at lowres_resolution
+    lowres_resolution: int = 0
+    first_conv_init: str = "default"  # default | whiten (from the training data's patches)
+    first_conv_freeze_epochs: float = -1.0  # freeze the first conv after this many epochs; -1 never
+    ema_every: int = 1  # EMA update every this many steps (with the decay raised to that power)
+    ema_warmup_power: float = 0.0  # decay grows as (step / steps)^power: young averages forget fast
+    lookahead: bool = False  # copy EMA weights back into the model at each EMA update
+    checkpoint_every: int = 1  # epochs between checkpoints; 0: only at the end
+    keep_checkpoints: int = 2
+    resume: str = ""  # a checkpoint file to continue from
+    stop_after_epoch: int = 0  # end this run after that epoch (as if preempted); resume continues
+    log_every: int = 50  # steps between metric reads
+    eval_every: int = 1  # epochs between evaluations (the last epoch is always evaluated)
+    grad_scale_init: float = 65536.0
+    grad_scale_growth_interval: int = 2000
+
+
+@dataclass
+class DistConfig:
+    backend: str = "auto"  # auto (nccl on GPUs, gloo on CPU) | nccl | gloo
+    shard_optimizer: bool = False  # ZeRO stage 1: each rank keeps and updates a shard of M/V/N
+    deep_conv_buckets: int = 4  # all-reduce buckets over G_DEEP_CONV, issued in reverse layer order
+    timeout_s: int = 600
+
+
+@dataclass
+class BenchConfig:
+    steps: int = 40  # timed steps; the median is reported
+    warmup: int = 10
+    baselines: list[str] = field(default_factory=lambda: ["eager_bf16", "eager_fp16", "compile_bf16"])
+    optimizers: list[str] = field(default_factory=lambda: ["momentum"])  # our step, once per optimizer
+    out: str = ""  # also append the table to this markdown file
+
+
+@dataclass
+class TrainConfig:
+    mode: str = "train"  # train | plan | eval | export | bench
+    amp: bool = False
+    amp_dtype: str = "fp16"  # fp16 (dynamic loss scaling) | bf16
+    ema: bool = False
+    ema_decay: float = 0.999
+    fold_bn: bool = False  # evaluate with BatchNorm folded into a per-channel scale and bias
+    graphs: bool = True  # on a GPU, replay captured CUDA graphs; false runs the same program eagerly
+    kernels: str = "auto"  # auto | torch | triton: implementation of the range ops
+    compile: bool = False  # run inductor on forward and backward inside the captured step
+    device: str = "auto"  # auto | cpu | cuda
+    checkpoint: str = ""  # eval / export: the checkpoint to read (default: the newest of the run)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
+
+
+def register():
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+_CHOICES = {
+    "mode": ("train", "plan", "eval", "export", "bench"),
+    "amp_dtype": ("fp16", "bf16"),
+    "kernels": ("auto", "torch", "triton"),
+    "device": ("auto", "cpu", "cuda"),
+    "model.stem": ("imagenet", "cifar"),
+    "optimizer.name": OPTIMIZERS,
+    "schedule.name": ("constant", "cosine", "linear", "step", "poly"),
+    "data.name": ("synthetic", "cifar10", "imagefolder"),
+    "data.flip": ("random", "alternating", "none"),
+    "trainer.first_conv_init": ("default", "whiten"),
+    "dist.backend": ("auto", "nccl", "gloo"),
+}
+_POSITIVE = ("trainer.epochs", "trainer.batch_size", "data.resolution", "data.num_classes", "trainer.log_every",
+             "optimizer.eps", "trainer.grad_scale_init", "trainer.grad_scale_growth_interval",
+             "trainer.ema_every", "dist.deep_conv_buckets", "bench.steps", "data.threads")
+_NON_NEGATIVE = ("optimizer.lr", "trainer.ema_warmup_power", "optimizer.weight_decay", "optimizer.bias_lr_scale", "optimizer.lars_eta",
+                 "trainer.val_batch_size", "trainer.lowres_epochs", "trainer.checkpoint_every",
+                 "trainer.stop_after_epoch", "schedule.warmup_epochs", "data.train_size", "data.val_size",
+                 "data.crop_padding", "bench.warmup", "optimizer.nominal_batch", "data.tta")
+_FRACTIONS = ("optimizer.momentum", "optimizer.beta2", "ema_decay", "trainer.label_smoothing",
+              "schedule.final_fraction", "schedule.warmup_start_fraction", "data.min_crop_area")
+
+
+def _get(cfg, dotted: str):
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """Values that type-check but cannot work; the first one found is the message."""
+    for key, choices in _CHOICES.items():
+        if _get(cfg, key) not in choices:
+            raise ConfigError(f"{key}={_get(cfg, key)!r} is not one of: {', '.join(choices)}")
+    for key in _POSITIVE:
+        if not _get(cfg, key) > 0:
+            raise ConfigError(f"{key}={_get(cfg, key)} must be positive")
+    for key in _NON_NEGATIVE:
+        if _get(cfg, key) < 0:
+            raise ConfigError(f"{key}={_get(cfg, key)} must not be negative")
+    for key in _FRACTIONS:
+        if not 0 <= _get(cfg, key) < 1 or (key == "data.min_crop_area" and _get(cfg, key) == 0):
+            raise ConfigError(f"{key}={_get(cfg, key)} must lie in [0, 1)")
+    t = cfg.trainer
+    if t.lowres_epochs and not 0 < t.lowres_resolution <= cfg.data.resolution:
+        raise ConfigError(f"trainer.lowres_epochs={t.lowres_epochs} needs trainer.lowres_resolution in "
+                          f"(0, data.resolution={cfg.data.resolution}], not {t.lowres_resolution}")
+    if cfg.data.name != "synthetic" and not cfg.data.root and cfg.mode not in ("plan", "bench"):
+        raise ConfigError(f"data={cfg.data.name} needs data.root=PATH (a folder or archive of the data set)")
+    for name in cfg.bench.baselines:
+        if name not in ("eager_bf16", "eager_fp16", "compile_bf16"):
+            raise ConfigError(f"bench.baselines: {name!r} is not one of eager_bf16, eager_fp16, compile_bf16")
+    for name in cfg.bench.optimizers:
+        if name not in OPTIMIZERS:
+            raise ConfigError(f"bench.optimizers: {name!r} is not one of {', '.join(OPTIMIZERS)}")
+    if cfg.schedule.name == "step" and not cfg.schedule.milestones:
+        raise ConfigError("schedule=step needs schedule.milestones, e.g. [30,60,80]")
+    return cfg
+
+
+def plan_config(cfg: TrainConfig, schedule_steps: int) -> PlanConfig:
+    return PlanConfig(amp=cfg.amp, amp_dtype=cfg.amp_dtype, ema=cfg.ema, fold_bn=cfg.fold_bn,
+                      optimizer=cfg.optimizer.name, schedule_steps=schedule_steps,
+                      freeze_first_conv=cfg.trainer.first_conv_freeze_epochs >= 0)

@@ -1,0 +1,25 @@
+"""Errors a user can fix. The app turns each into one message and a non-zero exit."""
+
+
+class TrainerError(Exception):
+    """Base of the errors whose message tells the user what is wrong and what to do."""
+
+
+class ConfigError(TrainerError):
+    """A configuration value that cannot work; the message names the key."""
+
+
+class PlanError(TrainerError):
+    """A plan that cannot be built or is inconsistent; the message names the tensor or region."""
+
+
+class DataError(TrainerError):
+    """Missing, empty or corrupt data; the message names the path."""
+
+
+class CheckpointError(TrainerError):
+    """A checkpoint that cannot be read or belongs to another model or plan."""
+
+
+class NonFiniteLossError(TrainerError):
+    """Training produced a NaN or infinite loss outside of AMP's loss scaling."""

@@ -1,0 +1,45 @@
+"""Executor: one CUDA graph per (variant, input buffer) on a GPU, replayed every step;
+on a CPU, or with graphs=false, the same Programs run eagerly."""
+import torch
+
+from trainer.arena import Arena
+from trainer.program import Program
+
+
+class Executor:
+    def __init__(self, programs: dict[tuple[str, str], Program], arena: Arena, use_graphs: bool,
+                 warmup: int = 3):
+        self.programs, self.arena, self.warmup = programs, arena, warmup
+        self.use_graphs = use_graphs and arena.device.type == "cuda"
+        self.graphs: dict[tuple[str, str], torch.cuda.CUDAGraph] = {}
+        self.pool = None
+
+    def capture(self, keys=None):
+        """Warm up every program (or those of `keys`) (cuDNN autotuning, lazy initialization) on a side stream,
+        then capture each into a graph; all graphs share one memory pool for autograd's
+        activations. Warm-up steps change weights, moments and BN statistics, so the
+        arena is restored afterwards: training starts from exactly the bound state."""
+        if not self.use_graphs:
+            return
+        programs = {k: self.programs[k] for k in (keys or self.programs)}
+        snapshot = self.arena.storage.to("cpu")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for program in programs.values():
+                for _ in range(self.warmup):
+                    program()
+        torch.cuda.current_stream().wait_stream(side)
+        self.pool = torch.cuda.graph_pool_handle()
+        for key, program in programs.items():
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                program()
+            self.graphs[key] = graph
+        self.arena.storage.copy_(snapshot)
+
+    def run(self, variant: str, buffer: str):
+        if self.use_graphs:
+            self.graphs[(variant, buffer)].replay()
+        else:
+            self.programs[(variant, buffer)]()

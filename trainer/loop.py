@@ -1,0 +1,226 @@
+"""The training loop: epochs of replayed step graphs fed through the double buffer, an
+evaluation after each, checkpoints, and the run's records.
+
+Set-up reads top to bottom as the data flow of DESIGN.md: model -> plans -> arena ->
+bind -> range ops -> programs -> executor. In steady state the host only enqueues:
+it reads device values through TensorFutures at log steps and at the end of an epoch.
+"""
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from trainer import checkpoint
+from trainer.arena import HALF
+from trainer.config import TrainConfig
+from trainer.data import build_sources
+from trainer.dist import Dist, device_for
+from trainer.errors import NonFiniteLossError
+from trainer.feeder import BUFFERS, DoubleBuffer
+from trainer.future import TensorFuture
+from trainer.metrics import MetricsLog, Stopwatch, plot_curves, write_summary
+from trainer.plan import Baseline as B
+from trainer.regions import Region as R
+from trainer.schedule import steps_per_epoch
+from trainer.planner import first_conv
+from trainer.setup import assemble
+from trainer.whitening import whiten_first_conv
+
+log = logging.getLogger("trainer")
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, run_dir: Path, dist: Dist):
+        self.clock = Stopwatch()
+        self.cfg, self.run_dir, self.dist = cfg, run_dir, dist
+        t = cfg.trainer
+        self.device = device_for(cfg.device, dist)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            torch.backends.cudnn.benchmark = True
+        torch.manual_seed(t.seed)
+
+        self.train_source, self.val_source = build_sources(
+            cfg, self.device, dist.rank, dist.world, HALF[cfg.amp_dtype] if cfg.amp else None)
+        init = None
+        if t.first_conv_init == "whiten":
+            init = lambda model: whiten_first_conv(first_conv(model), self.train_source.peek(5000))
+        self.engine = e = assemble(cfg, self.device, dist.world, init, grad_sync_factory=dist.grad_sync_factory)
+        dist.check_fingerprint(e.plans.fingerprint())
+        self.model, self.plans, self.arena, self.ops, self.executor = e.model, e.plans, e.arena, e.ops, e.executor
+        self.per_epoch = steps_per_epoch(self.train_source.size, t.batch_size, t.drop_last)
+        self.total_steps = self.plans.main.config.schedule_steps
+        self.feeder = DoubleBuffer(self.arena, self.plans.tensors)
+        self.metrics = MetricsLog(run_dir, enabled=dist.is_main, log=log)
+        self.meta = checkpoint.identity(cfg)
+        self.start_epoch, self.history = 0, []
+        if t.resume:
+            done = checkpoint.load(Path(t.resume), self.arena, self.meta)
+            self.start_epoch, self.history = done["epoch"], done.get("history", [])
+            log.info("resumed from %s after epoch %d", t.resume, self.start_epoch)
+        self.executor.capture()
+        self.setup_s = self.clock()
+
+    # -- the schedule of steps -----------------------------------------------------------
+    def train_steps(self, epoch: int) -> list:
+        """The variant of every step of `epoch`: full batches, the partial last batch when
+        the data does not divide, low resolution in the progressive-resizing epochs; the
+        fractional last epoch of a run stops part way."""
+        t = self.cfg.trainer
+        lowres = epoch < t.lowres_epochs
+        base = self.engine.variant("train_lowres" if lowres else "train_base")
+        steps = [base] * (self.train_source.size // t.batch_size)
+        if len(steps) < self.per_epoch:
+            steps.append(self.engine.variant("train_lowres_last" if lowres else "train_last"))
+        return steps[:max(0, self.total_steps - epoch * self.per_epoch)]
+
+    def val_steps(self) -> list:
+        batch = self.engine.variant("val_base").batch
+        steps = [self.engine.variant("val_base")] * (self.val_source.size // batch)
+        if self.val_source.size % batch:
+            steps.append(self.engine.variant("val_last"))
+        return steps
+
+    # -- running steps -------------------------------------------------------------------
+    def run_steps(self, steps: list, source, on_step=None):
+        """Replay the steps' graphs while the loader fills the other buffer."""
+        if not steps:
+            return
+        self.feeder.fill(BUFFERS[0], steps[0], source)
+        for i, v in enumerate(steps):
+            buf = BUFFERS[i % 2]
+            if i + 1 < len(steps):
+                self.feeder.fill(BUFFERS[(i + 1) % 2], steps[i + 1], source)
+            self.feeder.acquire(buf)
+            self.executor.run(v.name, buf)
+            self.feeder.release(buf)
+            if on_step is not None:
+                on_step(i, v)
+
+    def train_epoch(self, epoch: int) -> dict:
+        steps = self.train_steps(epoch)
+        resolution = steps[0].resolution if steps else self.cfg.data.resolution
+        self.train_source.start_epoch(epoch, resolution)
+        self.ops.reset_sums(B.TRAIN_SUMS)
+        first_step = epoch * self.per_epoch
+        log_every = self.cfg.trainer.log_every
+        s, a = self.ops.s, self.arena
+
+        def on_step(i, v):
+            step = first_step + i + 1
+            if i == 0 and epoch == self.start_epoch:
+                self._first_step_done()
+            if step % log_every == 0 or i == len(steps) - 1:
+                results = TensorFuture(a.flat(R.R_RESULT).view(3, -1)[:, 0])  # loss, top-1, top-5
+                self.metrics.step(step, epoch, v.name, self.images + (i + 1) * v.batch * self.dist.world,
+                                  results, a.to_host_async(self.plans.main[B.LR_WEIGHT]))
+                self._check_finite(block=False)
+
+        start = self._event()
+        self.run_steps(steps, self.train_source, on_step)
+        end = self._event()
+        self.dist.all_sum_(self.ops.s[B.TRAIN_SUMS])
+        sums = a.to_host_async(self.plans.main[B.TRAIN_SUMS])
+        self.images += sum(v.batch for v in steps) * self.dist.world
+        self._check_finite(block=True)
+        self.train_seconds += self._elapsed(start, end)
+        loss, top1, top5, count = sums.get().tolist()
+        return {"train_loss": loss / count, "train_top1": top1 / count, "train_top5": top5 / count}
+
+    def evaluate(self) -> dict:
+        self.dist.average_bn(self.ops)
+        if self.cfg.ema:
+            self.ops.sema_switch()
+        self.ops.reset_sums(B.VAL_SUMS)
+        self.val_source.start_epoch(0, self.cfg.data.resolution)
+        self.run_steps(self.val_steps(), self.val_source)
+        if self.cfg.ema:
+            self.ops.sema_switch()
+        self.dist.all_sum_(self.ops.s[B.VAL_SUMS])
+        loss, top1, top5, count = self.arena.to_host_async(self.plans.main[B.VAL_SUMS]).get().tolist()
+        return {"val_loss": loss / count, "val_top1": top1 / count, "val_top5": top5 / count}
+
+    # -- the run ---------------------------------------------------------------------------
+    def fit(self) -> dict:
+        t = self.cfg.trainer
+        self.images, self.train_seconds, self.first_step_s = 0, 0.0, None  # of this run
+        epochs = math.ceil(t.epochs)
+        row = {}
+        for epoch in range(self.start_epoch, epochs):
+            row = {"epoch": epoch + 1, **self.train_epoch(epoch)}
+            last = epoch + 1 == epochs
+            if last or (epoch + 1) % t.eval_every == 0:
+                row.update(self.evaluate())
+            self.history.append(row)
+            self.metrics.epoch(row)
+            stopping = t.stop_after_epoch and epoch + 1 >= t.stop_after_epoch
+            if last or stopping or (t.checkpoint_every and (epoch + 1) % t.checkpoint_every == 0):
+                self.save(epoch + 1)
+            if stopping and not last:
+                log.info("stopping after epoch %d as trainer.stop_after_epoch asks; resume with "
+                         "trainer.resume=%s", epoch + 1, self.run_dir / "checkpoints")
+                break
+        self.metrics.close()
+        summary = self.summary(row)
+        if self.dist.is_main:
+            write_summary(self.run_dir, summary)
+            if self.history:
+                plot_curves(self.run_dir, self.history)
+        return summary
+
+    def save(self, epochs_done: int):
+        if not self.dist.is_main:
+            return
+        folder = self.run_dir / "checkpoints"
+        meta = {**self.meta, "epoch": epochs_done, "history": self.history}
+        checkpoint.save(folder / f"epoch_{epochs_done:04d}.pt", self.arena, meta)
+        checkpoint.prune(folder, self.cfg.trainer.keep_checkpoints)
+
+    def summary(self, last_row: dict) -> dict:
+        steps = int(self.arena.to_host_async(self.plans.main[B.STEP]).get()[0])
+        return {**{k: last_row.get(k) for k in ("val_top1", "val_top5", "val_loss", "train_loss")},
+                "steps": steps, "epochs": self.history[-1]["epoch"] if self.history else 0,
+                "images_per_s": round(self.images / self.train_seconds, 1) if self.train_seconds else None,
+                "train_s": round(self.train_seconds, 3), "setup_s": round(self.setup_s, 3),
+                "wall_s": round(self.clock(), 3), "time_to_first_step_s": self.first_step_s,
+                "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
+                "world_size": self.dist.world, "graphs": self.executor.use_graphs}
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _first_step_done(self):
+        """Time to first step: set-up, capture and one step, measured once (one sync)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        self.first_step_s = round(self.clock(), 3)
+
+    def _check_finite(self, block: bool):
+        """Without AMP a non-finite loss stops the run (its update was skipped in the
+        graph, so the weights and the last checkpoint are intact)."""
+        if self.cfg.amp:
+            return
+        pending = getattr(self, "_nan_future", None)
+        if pending is None:
+            self._nan_future = pending = self.arena.to_host_async(self.plans.main[B.NAN_SEEN])
+        if not (block or pending.is_ready()):
+            return
+        self._nan_future = None
+        if int(pending.get()[0]):
+            raise NonFiniteLossError(
+                "the training loss became NaN or infinite; the step was skipped and training stopped. "
+                f"Checkpoints saved so far are intact in {self.run_dir / 'checkpoints'}. Lower optimizer.lr, "
+                "add a warm-up (schedule.warmup_epochs) or train with amp=true.")
+
+    def _event(self):
+        if self.device.type == "cuda":
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def _elapsed(self, start, end) -> float:
+        if self.device.type == "cuda":
+            end.synchronize()
+            return start.elapsed_time(end) / 1000
+        return end - start

@@ -1,0 +1,109 @@
+"""Run records: metrics.jsonl, the progress line, summary.json and curves.png.
+
+Step metrics arrive as TensorFutures; they are written when ready, in order, so logging
+never makes the host wait for the device (except at the end of an epoch)."""
+import json
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+from trainer.future import TensorFuture
+
+
+class MetricsLog:
+    def __init__(self, run_dir: Path, enabled: bool = True, log=None):
+        self.enabled, self.log = enabled, log
+        self.file = open(run_dir / "metrics.jsonl", "a") if enabled else None
+        self.tty = enabled and sys.stdout.isatty()
+        self.pending: deque = deque()
+        self.last = None  # (future, images so far) of the last written step
+
+    def step(self, step: int, epoch: int, variant: str, images: int, results: TensorFuture, lr: TensorFuture):
+        """Queue this step's R_RESULT and learning rate; `images` counts since the run began."""
+        self.pending.append((dict(step=step, epoch=epoch, variant=variant), images, results, lr))
+        self.poll()
+
+    def poll(self, block: bool = False):
+        while self.pending and (block or self.pending[0][2].is_ready()):
+            row, images, results, lr = self.pending.popleft()
+            loss, top1, top5 = (float(v) for v in results.get())
+            row.update(loss=loss, top1=top1, top5=top5, lr=float(lr.get()[0]))
+            row["images_per_s"] = self._rate(results, images)
+            self.last = (results, images)
+            self._write(row)
+
+    def _rate(self, results: TensorFuture, images: int) -> float | None:
+        if self.last is None:
+            return None
+        prev, prev_images = self.last
+        if results.event is not None:
+            seconds = prev.event.elapsed_time(results.event) / 1000
+        else:
+            seconds = results.enqueued_at - prev.enqueued_at
+        return round((images - prev_images) / seconds, 1) if seconds > 0 else None
+
+    def _write(self, row: dict):
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        rate = f"{row['images_per_s']:,.0f} img/s" if row.get("images_per_s") else ""
+        line = (f"epoch {row['epoch']} step {row['step']} {row.get('variant', '')} loss {row['loss']:.4f} "
+                f"top1 {row['top1']:.3f} {rate}")
+        if self.tty:
+            print("\r" + line.ljust(100), end="", flush=True)
+        elif self.log is not None:
+            self.log.info(line)
+
+    def epoch(self, row: dict):
+        """An epoch's train and evaluation sums, as one record."""
+        self.poll(block=True)
+        if self.tty:
+            print()
+        self._write_record(row)
+
+    def _write_record(self, row: dict):
+        if self.enabled:
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+            if self.log is not None:
+                self.log.info(" ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                                       for k, v in row.items()))
+
+    def close(self):
+        self.poll(block=True)
+        if self.file:
+            self.file.close()
+
+
+def write_summary(run_dir: Path, summary: dict):
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+
+
+def plot_curves(run_dir: Path, epochs: list[dict]):
+    """Loss and top-1 per epoch, training and evaluation."""
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+    x = [e["epoch"] for e in epochs]
+    for ax, key in ((ax_loss, "loss"), (ax_acc, "top1")):
+        for split in ("train", "val"):
+            ys = [e.get(f"{split}_{key}") for e in epochs]
+            if any(y is not None for y in ys):
+                ax.plot(x, ys, marker="o", label=split)
+        ax.set_xlabel("epoch")
+        ax.set_ylabel(key)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(run_dir / "curves.png", dpi=100)
+    plt.close(fig)
+
+
+class Stopwatch:
+    def __init__(self):
+        self.start = time.perf_counter()
+
+    def __call__(self) -> float:
+        return time.perf_counter() - self.start

@@ -1,0 +1,128 @@
+"""The planner: from a model, a PlanConfig and the variants, one MemoryPlan per variant.
+
+Every variant's plan allocates the same tensors in the same order (only shapes that
+depend on batch and resolution differ); each tensor then gets the largest slot any
+variant needs, so a DTensor id has the same offset in every plan and one arena
+serves all of them.
+"""
+from dataclasses import dataclass
+
+from torch import nn
+
+from trainer.dtensor import DTensor
+from trainer.errors import PlanError
+from trainer.plan import BNTensors, InputTensors, MemoryPlan, ParamTensors, PlanConfig
+from kernels.reference import CHUNK
+from trainer.regions import FAMILY, HALF_KINDS, Kind
+from trainer.variants import Variant
+
+_BN_STATS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+@dataclass
+class ModelTensors:
+    """Handles into one variant's plan for what binding and the step program touch."""
+    params: dict[str, ParamTensors]  # by qualified parameter name
+    bn: dict[str, BNTensors]  # by BatchNorm module name
+    input: InputTensors
+    features: DTensor  # logits of an evaluation batch, summed over test-time views
+    grad_slot: DTensor  # gradient of the loss with respect to the logits
+    predictions: DTensor
+
+
+@dataclass
+class Plans:
+    variants: list[Variant]
+    plans: dict[str, MemoryPlan]
+    tensors: dict[str, ModelTensors]
+
+    @property
+    def main(self) -> MemoryPlan:
+        return self.plans[self.variants[0].name]
+
+    @property
+    def total_bytes(self) -> int:
+        return self.main.total_bytes
+
+    def fingerprint(self) -> str:
+        return self.main.fingerprint()
+
+    def to_json(self) -> dict:
+        return self.main.to_json(self.variants)
+
+
+def logical_shape(t) -> tuple:
+    """NCHW torch shape -> the logical NHWC shape a DTensor describes."""
+    return (t.shape[0], *t.shape[2:], t.shape[1]) if t.dim() == 4 else tuple(t.shape)
+
+
+def first_conv(model: nn.Module) -> nn.Conv2d:
+    """The conv that sees the input: the first Conv2d in module order."""
+    return next(m for m in model.modules() if isinstance(m, nn.Conv2d))
+
+
+def classify(model: nn.Module) -> tuple[list[tuple[str, Kind, tuple]], list[tuple[str, int]]]:
+    """Every parameter's layer kind and every BatchNorm's channel count, in module order.
+    Anything else that holds a parameter or buffer cannot be placed: all are listed at once."""
+    params, bns, unplaceable, seen_conv = [], [], [], False
+    for mname, module in model.named_modules():
+        prefix = f"{mname}." if mname else ""
+        own = list(module.named_parameters(recurse=False))
+        buffers = [(n, b) for n, b in module.named_buffers(recurse=False) if b is not None]
+        if isinstance(module, nn.Conv2d):
+            for n, p in own:
+                if n == "weight":
+                    params.append((prefix + n, Kind.DEEP_CONV if seen_conv else Kind.FIRST_CONV, logical_shape(p)))
+                else:
+                    unplaceable.append(f"{prefix}{n} (Conv2d {n}: drop it, a BatchNorm follows)")
+            seen_conv = True
+        elif isinstance(module, nn.modules.batchnorm._BatchNorm):
+            kinds = {"weight": Kind.BN_WEIGHT, "bias": Kind.BN_BIAS}
+            params += [(prefix + n, kinds[n], tuple(p.shape)) for n, p in own]
+            if module.track_running_stats:
+                bns.append((mname, module.num_features))
+            unplaceable += [f"{prefix}{n} ({type(module).__name__} buffer)" for n, _ in buffers if n not in _BN_STATS]
+        elif isinstance(module, nn.Linear):
+            kinds = {"weight": Kind.FC_WEIGHT, "bias": Kind.FC_BIAS}
+            params += [(prefix + n, kinds[n], tuple(p.shape)) for n, p in own]
+        else:
+            unplaceable += [f"{prefix}{n} ({type(module).__name__})" for n, _ in own + buffers]
+    if unplaceable:
+        raise PlanError("the planner cannot place these tensors (it knows Conv2d weights, Linear, "
+                        "BatchNorm): " + ", ".join(unplaceable))
+    return params, bns
+
+
+def _allocate(plan: MemoryPlan, params, bns, variant: Variant, num_classes: int, in_channels: int) -> ModelTensors:
+    placed = {name: plan.add_parameter(name, kind, shape) for name, kind, shape in params}
+    stats = {name: plan.add_bn_statistics(name, channels) for name, channels in bns}
+    c = plan.config
+    if c.freeze_first_conv:  # W, and M, V where they exist, of the first conv
+        copies = 1 + c.has_momentum + c.has_second_moment
+        plan.add_temp("first_conv_stash", (copies * plan.region_bytes(FAMILY["W"][Kind.FIRST_CONV]) // 4,), "fp32")
+    if plan.config.optimizer == "lars":
+        weight_block = sum(plan.region_bytes(FAMILY["W"][k]) for k in HALF_KINDS)
+        plan.add_temp("lars_chunk_segment", (weight_block // 4 // CHUNK,), "int32")
+    inputs = plan.add_input(variant.batch, variant.resolution, in_channels)
+    logits = (variant.batch, num_classes)
+    return ModelTensors(placed, stats, inputs, plan.add_features("logits", logits), plan.grad_slot(logits),
+                        plan.add_predictions(variant.batch))
+
+
+def build_plans(model: nn.Module, config: PlanConfig, variants: list[Variant], num_classes: int,
+                in_channels: int = 3) -> Plans:
+    if config.fold_bn and any(m.weight is None or m.bias is None for m in model.modules()
+                              if isinstance(m, nn.modules.batchnorm._BatchNorm)):
+        raise PlanError("fold_bn needs every BatchNorm to be affine (a weight and a bias)")
+    params, bns = classify(model)
+    plans, tensors = {}, {}
+    for v in variants:
+        plans[v.name] = MemoryPlan(config, v)
+        tensors[v.name] = _allocate(plans[v.name], params, bns, v, num_classes, in_channels)
+    for same_id in zip(*(p.tensors for p in plans.values())):
+        largest = max(t.slot_bytes for t in same_id)
+        for t in same_id:
+            t.slot_bytes = largest
+    for p in plans.values():
+        p.finalize()
+    return Plans(list(variants), plans, tensors)

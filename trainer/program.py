@@ -1,0 +1,70 @@
+"""Program: the work of one step of one variant, reading one input buffer of the arena.
+
+Calling a Program runs the step eagerly; the Executor captures the very same call into a
+CUDA graph. Everything a step reads or writes lives at a fixed arena address, and the
+Python decisions below (train or eval mode, which BN statistics) are fixed per Program,
+so a replay does exactly what the call did.
+"""
+from typing import Callable
+
+import torch
+from torch import nn
+
+from trainer import tta
+from trainer.arena import Arena
+from trainer.binding import use_statistics
+from trainer.loss import cross_entropy_
+from trainer.plan import Baseline as B
+from trainer.planner import ModelTensors
+from trainer.range_ops import RangeOps
+from trainer.variants import Variant
+
+
+class Program:
+    def __init__(self, variant: Variant, buffer: str, model: nn.Module, tensors: ModelTensors, arena: Arena,
+                 ops: RangeOps, label_smoothing: float = 0.0, tta_level: int = 0,
+                 grad_sync: Callable[[], None] | None = None):
+        self.variant, self.buffer, self.model, self.tensors = variant, buffer, model, tensors
+        self.arena, self.ops = arena, ops
+        self.smoothing, self.tta_level, self.grad_sync = label_smoothing, tta_level, grad_sync
+        self.x = arena[tensors.input.data[buffer]]
+        self.y = arena[tensors.input.label[buffer]]
+        self.mask = arena[tensors.input.mask[buffer]]
+        s = ops.s
+        self.results = (s[B.LOSS], s[B.TOP1], s[B.TOP5])
+
+    def __call__(self):
+        (self._train if self.variant.train else self._evaluate)()
+
+    def _train(self):
+        ops, s, amp = self.ops, self.ops.s, self.arena.plan.config.amp
+        self.model.train()
+        ops.schedule()
+        ops.clear_grads()
+        logits = self.model(self.x)
+        grad = self.arena[self.tensors.grad_slot]
+        cross_entropy_(logits, self.y, self.smoothing, self.results, grad_out=grad,
+                       grad_scale=s[B.LOSS_SCALE] if amp else None, nan_seen=None if amp else s[B.NAN_SEEN])
+        logits.backward(grad)
+        if self.grad_sync is not None:
+            self.grad_sync()
+        ops.grad_scaling()
+        ops.update()
+        if self.arena.plan.config.ema:
+            ops.ema()
+        ops.cast_weights()
+        ops.accumulate(s[B.TRAIN_SUMS], self.variant.batch)
+        ops.advance()
+
+    @torch.no_grad()
+    def _evaluate(self):
+        self.model.eval()
+        use_statistics(self.model, self.tensors, self.arena, "prev")
+        try:
+            z = tta.logits(self.model, self.x, self.tta_level)
+        finally:
+            use_statistics(self.model, self.tensors, self.arena, "next")
+        self.arena[self.tensors.features].copy_(z)
+        cross_entropy_(z, self.y, 0.0, self.results, mask=self.mask)
+        self.arena[self.tensors.predictions].copy_(z.argmax(1))
+        self.ops.accumulate(self.ops.s[B.VAL_SUMS], self.mask.sum())

@@ -1,0 +1,189 @@
+"""Range ops: the whole model's optimizer step, gradient zeroing, casts, EMA, loss scaling
+and metric sums as a handful of kernels over contiguous region ranges.
+
+RangeOps binds the flat spans of one arena once; each method is one op of DESIGN.md's
+list and issues the same kernels whatever the number of layers. Every value that may
+change during training is read from S_ scalars in the arena, so a captured step graph
+replays correctly as the schedule moves.
+"""
+import torch
+
+from kernels.reference import CHUNK
+from trainer.arena import Arena
+from trainer.plan import Baseline as B
+from trainer.plan import MemoryPlan
+from trainer.regions import FAMILY, HALF_KINDS, Kind
+from trainer.regions import Region as R
+from trainer.schedule import Hyperparameters
+
+GROWTH, BACKOFF = 2.0, 0.5  # dynamic loss scale: x2 after a run of clean steps, /2 on overflow
+
+
+class RangeOps:
+    def __init__(self, plan: MemoryPlan, arena: Arena, kernels, bias_lr_scale: float = 1.0,
+                 ema_every: int = 1, ema_warmup_power: float = 0.0, lookahead: bool = False,
+                 growth_interval: int = 2000, dynamic_scale: bool = True, freeze_first_conv_step: int = -1):
+        c = plan.config
+        self.config, self.k, self.arena = c, kernels, arena
+        self.bias_lr_scale, self.ema_every, self.lookahead = bias_lr_scale, ema_every, lookahead
+        self.ema_warmup_power, self.freeze_step = ema_warmup_power, freeze_first_conv_step
+        self.growth_interval, self.dynamic_scale = growth_interval, c.amp and dynamic_scale
+        self.s = {b: arena[plan[b]] for b in B}
+        f = arena.flat
+        self.w_bias, self.g_bias = f(R.W_BN_BIAS, R.W_FC_BIAS), f(R.G_BN_BIAS, R.G_FC_BIAS)
+        self.w_weight, self.g_weight = f(R.W_FC_WEIGHT, R.W_DEEP_CONV), f(R.G_FC_WEIGHT, R.G_DEEP_CONV)
+        self.w_all, self.g_all = f(R.W_BN_BIAS, R.W_DEEP_CONV), f(R.G_BN_BIAS, R.G_DEEP_CONV)
+        self.m_bias = f(R.M_BN_BIAS, R.M_FC_BIAS) if c.has_momentum else None
+        self.m_weight = f(R.M_FC_WEIGHT, R.M_DEEP_CONV) if c.has_momentum else None
+        if c.has_second_moment:
+            self.v_bias, self.v_weight = f(R.V_BN_BIAS, R.V_FC_BIAS), f(R.V_FC_WEIGHT, R.V_DEEP_CONV)
+        if c.amp:
+            self.a_weight = f(R.A_FC_WEIGHT, R.A_DEEP_CONV)
+            self.g16_weight = f(R.G_FC_WEIGHT_FP16, R.G_DEEP_CONV_FP16)
+        if c.ema:
+            self.e_all, self.e_weight = f(R.E_BN_BIAS, R.E_DEEP_CONV), f(R.E_FC_WEIGHT, R.E_DEEP_CONV)
+            self.e16_weight = f(R.E_FC_WEIGHT_FP16, R.E_DEEP_CONV_FP16) if c.amp else None
+        self.ema_in_use = False
+        if c.optimizer == "lars":
+            self.norms = f(R.N_FC_WEIGHT, R.N_DEEP_CONV).view(-1, CHUNK)
+            self.chunk_segment = arena[next(t for t in plan.regions[R.T_TEMP_INT32]
+                                            if t.name == "lars_chunk_segment")]
+        self.b_next, self.b_prev = f(R.B_NEXT_MEAN, R.B_NEXT_VAR), f(R.B_PREV_MEAN, R.B_PREV_VAR)
+        if c.freeze_first_conv:
+            self.first_conv = [f(r) for r in (R.W_FIRST_CONV, R.M_FIRST_CONV, R.V_FIRST_CONV) if c.enabled(r)]
+            self.stash = arena[next(t for t in plan.regions[R.T_TEMP_FP32] if t.name == "first_conv_stash")]
+        self._plan = plan
+
+    # -- set-up (host writes, before capture) ---------------------------------------
+    def init_scalars(self, h: Hyperparameters, lr_table: list[float], grad_scale: float):
+        s = self.s
+        for b, value in ((B.WEIGHT_DECAY_BIAS, h.weight_decay_bias), (B.WEIGHT_DECAY, h.weight_decay),
+                         (B.MOMENTUM, h.momentum), (B.BETA1, h.momentum), (B.BETA2, h.beta2),
+                         (B.EPS, h.eps), (B.LARS_ETA, h.lars_eta)):
+            s[b].fill_(value)
+        s[B.LR_SCHEDULE].copy_(torch.tensor(lr_table, dtype=torch.float32))
+        s[B.LOSS_SCALE].fill_(grad_scale if self.dynamic_scale else 1.0)
+        if self.config.optimizer == "lars":
+            segments = [t.slot_bytes // 4 // CHUNK for k in HALF_KINDS
+                        for t in self._plan.regions[FAMILY["W"][k]]]
+            self.chunk_segment.copy_(torch.repeat_interleave(
+                torch.arange(len(segments), dtype=torch.int32), torch.tensor(segments)))
+
+    def set_ema_decay(self, decay: float):
+        self.s[B.EMA_DECAY].fill_(decay)
+
+    # -- the ops of one training step ---------------------------------------------
+    def schedule(self):
+        """This step's learning rates from the table, indexed by the step counter."""
+        s = self.s
+        last = s[B.LR_SCHEDULE].numel() - 1
+        lr = s[B.LR_SCHEDULE][s[B.STEP].clamp(max=last).long()]
+        s[B.LR_WEIGHT].copy_(lr)
+        s[B.LR_BIAS].copy_(lr * self.bias_lr_scale)
+
+    def clear_grads(self):
+        self.g_all.zero_()
+        if self.config.amp:
+            self.g16_weight.zero_()
+
+    def grad_scaling(self):
+        """GRAD_SCALING under AMP, CHECK_NAN without: bring gradients to fp32 at unit scale,
+        raise OVERFLOW if any is not finite (that step's update is then skipped) and, for
+        fp16, move the dynamic loss scale. All on the device: the host never waits."""
+        s, found = self.s, self.s[B.OVERFLOW]
+        found.zero_()
+        if self.config.amp:
+            inv = 1.0 / s[B.LOSS_SCALE]
+            self.k.unscale_(self.g16_weight, self.g_weight, inv, found)
+            self.k.unscale_(self.g_bias, self.g_bias, inv, found)
+        else:
+            self.k.check_finite_(self.g_all, found)
+        if self.dynamic_scale:
+            self._update_scale()
+        s[B.OPT_STEP].add_(1 - found.to(torch.int32))
+
+    def _update_scale(self):
+        s = self.s
+        overflow = s[B.OVERFLOW].bool()
+        good = torch.where(overflow, torch.zeros_like(s[B.GOOD_STEPS]), s[B.GOOD_STEPS] + 1)
+        grow = good >= self.growth_interval
+        scale = s[B.LOSS_SCALE]
+        s[B.LOSS_SCALE].copy_(torch.where(overflow, scale * BACKOFF, torch.where(grow, scale * GROWTH, scale)))
+        s[B.GOOD_STEPS].copy_(torch.where(grow, torch.zeros_like(good), good))
+
+    def update(self):
+        """UPDATE_BIAS_* then UPDATE_WEIGHT_* for the configured optimizer; a frozen first
+        conv is put back as it was, so no optimizer (weight decay, LARS momentum) moves it."""
+        frozen = self.config.freeze_first_conv
+        if frozen:
+            torch.cat(self.first_conv, out=self.stash)
+        self._update_blocks()
+        if frozen:
+            done = self.s[B.STEP] >= self.freeze_step
+            for x, kept in zip(self.first_conv, self.stash.split([x.numel() for x in self.first_conv])):
+                x.copy_(torch.where(done, kept, x))
+
+    def _update_blocks(self):
+        s, opt, skip = self.s, self.config.optimizer, self.s[B.OVERFLOW]
+        mu = s[B.MOMENTUM]
+        blocks = ((self.w_bias, self.g_bias, self.m_bias, s[B.LR_BIAS], s[B.WEIGHT_DECAY_BIAS], "v_bias"),
+                  (self.w_weight, self.g_weight, self.m_weight, s[B.LR_WEIGHT], s[B.WEIGHT_DECAY], "v_weight"))
+        for i, (w, g, m, lr, wd, v) in enumerate(blocks):
+            if opt in ("adam", "adamw"):
+                self.k.adam_(w, g, m, getattr(self, v), lr, wd, s[B.BETA1], s[B.BETA2], s[B.EPS],
+                             s[B.OPT_STEP], skip, opt == "adamw")
+            elif opt == "lars" and i == 1:
+                self.k.lars_(w, g, m, self.norms, self.chunk_segment, lr, wd, mu, s[B.LARS_ETA], skip)
+            elif opt == "lars":
+                self.k.lars_bias_(w, g, m, lr, wd, mu, skip)
+            else:
+                self.k.sgd_(w, g, m, lr, wd, mu, skip, opt == "nesterov")
+
+    def ema(self):
+        """EMA_PARAM_UPDATE every ema_every steps (decay raised to that power); with
+        lookahead the model then continues from the averaged weights."""
+        s = self.s
+        due = (s[B.STEP] % self.ema_every) == 0
+        decay = s[B.EMA_DECAY] ** self.ema_every
+        if self.ema_warmup_power:
+            progress = s[B.STEP].float() / s[B.LR_SCHEDULE].numel()
+            decay = decay * progress ** self.ema_warmup_power
+        decay = torch.where(due, decay, torch.ones_like(decay))
+        self.k.ema_(self.e_all, self.w_all, decay)
+        if self.lookahead:
+            self.w_all.copy_(torch.where(due, self.e_all, self.w_all))
+
+    def cast_weights(self):
+        """CAST fp32 -> half: the compute copy of the whole weight block in one pass."""
+        if self.config.amp:
+            self.k.cast_(self.w_weight, self.a_weight)
+
+    def accumulate(self, sums: torch.Tensor, count):
+        """ACCUM_METRICS: sums += (loss, top-1 hits, top-5 hits, examples) of this batch,
+        from R_RESULT's means; count is a number or a 1-element tensor."""
+        s = self.s
+        sums[:3].add_(torch.cat([s[B.LOSS], s[B.TOP1], s[B.TOP5]]) * count)
+        sums[3:].add_(count)
+
+    def advance(self):
+        self.s[B.STEP].add_(1)
+
+    # -- between epochs -------------------------------------------------------------
+    def bn_stats_to_prev(self):
+        """BN_STATS: B_PREV = B_NEXT (the distributed version averages over ranks)."""
+        self.b_prev.copy_(self.b_next)
+
+    def sema_switch(self):
+        """SEMA_SWITCH: exchange live and EMA weights, so that evaluation runs on the EMA
+        weights through the same graphs and addresses; a second switch restores the live
+        weights bit for bit. Under AMP the half compute weights follow: E16 is refreshed
+        from the EMA masters on the way in and holds the live half weights meanwhile."""
+        if self.config.amp and not self.ema_in_use:
+            self.k.cast_(self.e_weight, self.e16_weight)
+        self.k.swap_(self.w_all, self.e_all)
+        if self.config.amp:
+            self.k.swap_(self.a_weight, self.e16_weight)
+        self.ema_in_use = not self.ema_in_use
+
+    def reset_sums(self, which: B):
+        self.s[which].zero_()

@@ -1,0 +1,95 @@
+"""From a validated configuration to the objects of the data flow: model, variants, plans."""
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from kernels import load as load_kernels
+from trainer.arena import Arena
+from trainer.binding import bind
+from trainer.config import TrainConfig, plan_config
+from trainer.data import dataset_sizes
+from trainer.errors import ConfigError
+from trainer.executor import Executor
+from trainer.feeder import BUFFERS
+from trainer.models import build_model
+from trainer.planner import Plans, build_plans, first_conv
+from trainer.program import Program
+from trainer.range_ops import RangeOps
+from trainer.schedule import hyperparameters, lr_multipliers, steps_per_epoch, total_steps
+from trainer.variants import Variant, derive_variants
+
+
+def make_model(cfg: TrainConfig) -> nn.Module:
+    m = cfg.model
+    try:
+        model = build_model(m.name, m.num_classes, m.depth, m.width, m.widths, m.stem)
+    except ValueError as e:
+        raise ConfigError(f"model: {e}") from None
+    return model.to(memory_format=torch.channels_last)
+
+
+def make_variants(cfg: TrainConfig, world: int = 1) -> tuple[list[Variant], int]:
+    """The variants and the number of steps of the whole run, from the per-rank data size."""
+    train_size, val_size = dataset_sizes(cfg.data)
+    t = cfg.trainer
+    per_rank_train, per_rank_val = train_size // world, -(-val_size // world)
+    if per_rank_train < t.batch_size and t.drop_last:
+        raise ConfigError(f"trainer.batch_size={t.batch_size} is larger than the {per_rank_train} training "
+                          f"examples per rank; lower it or set trainer.drop_last=false")
+    variants = derive_variants(per_rank_train, per_rank_val, t.batch_size, t.val_batch_size or t.batch_size,
+                               cfg.data.resolution, t.lowres_resolution, t.lowres_epochs, t.drop_last)
+    return variants, total_steps(t.epochs, steps_per_epoch(per_rank_train, t.batch_size, t.drop_last))
+
+
+def make_plans(cfg: TrainConfig, world: int = 1) -> tuple[nn.Module, Plans]:
+    model = make_model(cfg)
+    variants, steps = make_variants(cfg, world)
+    return model, build_plans(model, plan_config(cfg, steps), variants, cfg.model.num_classes)
+
+
+@dataclass
+class Engine:
+    """Everything a step needs, bound together: the model computing in the arena, the range
+    ops over it, one Program per (variant, input buffer) and the Executor that runs them."""
+    model: nn.Module
+    plans: Plans
+    arena: Arena
+    ops: RangeOps
+    programs: dict
+    executor: Executor
+
+    def variant(self, name: str) -> Variant:
+        return next(v for v in self.plans.variants if v.name == name)
+
+
+def assemble(cfg: TrainConfig, device: torch.device, world: int = 1,
+             init_model: Callable[[nn.Module], None] | None = None, grad_sync_factory=None) -> Engine:
+    """model -> plans -> arena -> bind -> range ops -> programs -> executor. `init_model`
+    may change the model's initial values (data-dependent init) before they enter the arena."""
+    t = cfg.trainer
+    model, plans = make_plans(cfg, world)
+    model.to(device)
+    if init_model is not None:
+        init_model(model)
+    arena = Arena(plans.main, device)
+    bind(model, plans.tensors[plans.variants[0].name], arena)
+    steps, per_epoch = plans.main.config.schedule_steps, steps_per_epoch(
+        dataset_sizes(cfg.data)[0] // world, t.batch_size, t.drop_last)
+    freeze_step = round(t.first_conv_freeze_epochs * per_epoch) if t.first_conv_freeze_epochs >= 0 else -1
+    if freeze_step == 0:  # frozen from the start: backward can skip the first conv's weight gradient
+        first_conv(model).weight.requires_grad_(False)
+    ops = RangeOps(plans.main, arena, load_kernels(cfg.kernels, device), bias_lr_scale=cfg.optimizer.bias_lr_scale,
+                   ema_every=t.ema_every, ema_warmup_power=t.ema_warmup_power, lookahead=t.lookahead,
+                   growth_interval=t.grad_scale_growth_interval, dynamic_scale=cfg.amp_dtype == "fp16",
+                   freeze_first_conv_step=freeze_step)
+    h = hyperparameters(cfg.optimizer, t.batch_size * world)
+    ops.init_scalars(h, [h.lr_weight * f for f in lr_multipliers(cfg.schedule, steps, per_epoch)],
+                     t.grad_scale_init)
+    ops.set_ema_decay(cfg.ema_decay)
+    grad_sync = grad_sync_factory(ops) if grad_sync_factory is not None else None
+    programs = {(v.name, b): Program(v, b, model, plans.tensors[v.name], arena, ops, t.label_smoothing,
+                                     cfg.data.tta, grad_sync)
+                for v in plans.variants for b in BUFFERS}
+    return Engine(model, plans, arena, ops, programs, Executor(programs, arena, cfg.graphs))
