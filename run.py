@@ -1,7 +1,9 @@
 """Train an image classifier: python run.py [group=option ...] [key=value ...]"""
+import sys
+
 import hydra
 
-from trainer import app
+from trainer import app, dist
 from trainer.config import register
 
 register()
@@ -13,4 +15,5 @@ def main(cfg):
 
 
 if __name__ == "__main__":
+    sys.argv += dist.launch_overrides(sys.argv[1:])  # under torchrun: one run directory for the job
     main()

@@ -43,21 +43,21 @@ def adam_(w, g, m, v, lr, wd, beta1, beta2, eps, step, skip, decoupled: bool):
     _commit(skip, (w, w_dec - (lr / bias1) * m_new / denom), (m, m_new), (v, v_new))
 
 
-def segment_norms_(x, chunk_segment, out):
-    """out[s] = L2 norm of segment s of x; chunk_segment maps each 128-element chunk to
+def _segment_squares(x, chunk_segment, segments: int):
+    """Sum of squares of each segment of x; chunk_segment maps each 128-element chunk to
     its segment (tensor) index."""
-    sums = torch.zeros(out.shape[0], dtype=torch.float32, device=x.device)
-    sums.index_add_(0, chunk_segment, x.view(-1, CHUNK).square().sum(1))
-    out.copy_(sums.sqrt())
+    sums = torch.zeros(segments, dtype=torch.float32, device=x.device)
+    return sums.index_add_(0, chunk_segment, x.view(-1, CHUNK).square().sum(1))
 
 
 def lars_(w, g, m, norms, chunk_segment, lr, wd, momentum, eta, skip):
     """MLPerf LARS on the weight block: per tensor trust = eta*|w| / (|g| + wd*|w|) (1 where
     either norm is 0); m = mu*m + lr*trust*(g + wd*w); w -= m. norms is the N_ range as
-    (tensors, 128): column 0 gets |w|, column 1 |g|."""
-    segment_norms_(w, chunk_segment, norms[:, 0])
-    segment_norms_(g, chunk_segment, norms[:, 1])
-    wn, gn = norms[:, 0], norms[:, 1]
+    (tensors, 128): column 0 gets |w|^2, column 1 |g|^2 (squares, so that partial sums over
+    shards of a tensor add up)."""
+    norms[:, 0].copy_(_segment_squares(w, chunk_segment, norms.shape[0]))
+    norms[:, 1].copy_(_segment_squares(g, chunk_segment, norms.shape[0]))
+    wn, gn = norms[:, 0].sqrt(), norms[:, 1].sqrt()
     trust = torch.where((wn > 0) & (gn > 0), eta * wn / (gn + wd * wn), torch.ones_like(wn))
     scaled = (lr * trust)[chunk_segment].unsqueeze(1)  # per chunk
     m_new = momentum * m + (scaled * (g + wd * w).view(-1, CHUNK)).view(-1)

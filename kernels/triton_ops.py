@@ -1,5 +1,6 @@
 """Triton twins of kernels.reference: the same functions with the same signatures, each one
-fused pass over a flat range (every input read once, every output written once).
+fused pass over a flat range (every input read once, every output written once; lars_
+makes two: the per-tensor norms, then the update).
 
 Scalars (learning rate, decay, betas, step, skip flag, ...) stay in device memory and are
 loaded inside the kernels, so a captured CUDA graph replays with their current values.

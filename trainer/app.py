@@ -24,7 +24,8 @@ def run_plan(cfg: TrainConfig, run_dir: Path):
 def run_train(cfg: TrainConfig, run_dir: Path):
     from trainer import dist
     from trainer.loop import Trainer
-    trainer = Trainer(cfg, run_dir, dist.from_env())
+    cfg.trainer.resume = dist.restart_checkpoint(run_dir) or cfg.trainer.resume  # torchrun restarted the job
+    trainer = Trainer(cfg, run_dir, dist.start(cfg))
     if trainer.dist.is_main:
         (run_dir / "plan.json").write_text(json.dumps(trainer.plans.to_json(), indent=1))
     summary = trainer.fit()
@@ -42,7 +43,7 @@ def run_eval(cfg: TrainConfig, run_dir: Path):
     from trainer import dist
     from trainer.loop import Trainer
     cfg.trainer.resume = _checkpoint_path(cfg)
-    trainer = Trainer(cfg, run_dir, dist.from_env())
+    trainer = Trainer(cfg, run_dir, dist.start(cfg))
     result = trainer.evaluate()
     print(json.dumps(result))
     (run_dir / "summary.json").write_text(json.dumps({**result, "checkpoint": cfg.trainer.resume}, indent=1))
@@ -85,3 +86,7 @@ def main(dict_cfg: DictConfig):
     except TrainerError as e:
         log.error("%s", e)
         raise SystemExit(2)
+    except Exception:
+        log.exception("the run failed")  # into this rank's log file too, not only onto stderr
+        raise
+

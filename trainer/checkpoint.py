@@ -34,14 +34,18 @@ def state_fingerprint(plan: MemoryPlan) -> str:
     return hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
 
 
-def save(path: Path, arena: Arena, meta: dict):
-    plan = arena.plan
+def save(path: Path, arena: Arena, meta: dict, per_rank: dict | None = None):
+    """`per_rank`: regions whose bytes differ between ranks, every rank's bytes one after the
+    other (Dist.gather_per_rank), so that one file restores every rank exactly."""
+    plan, per_rank = arena.plan, per_rank or {}
     payload = {
         "fingerprint": plan.fingerprint(),
         "state_fingerprint": state_fingerprint(plan),
         "layout": {r.name: [t.name for t in plan.regions[r]] for r in STATE_REGIONS},
+        "shards": plan.config.shards,
         "meta": meta,
-        "regions": {r.name: _region_bytes(arena, r).cpu().clone() for r in STATE_REGIONS if plan.region_bytes(r)},
+        "regions": {r.name: per_rank[r.name] if r.name in per_rank else _region_bytes(arena, r).cpu().clone()
+                    for r in STATE_REGIONS if plan.region_bytes(r)},
         "scalars": {b.name: arena[plan[b]].cpu().clone() for b in STATE_SCALARS},
     }
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -50,14 +54,18 @@ def save(path: Path, arena: Arena, meta: dict):
     os.replace(tmp, path)  # a crash mid-write leaves the previous checkpoint untouched
 
 
-def load(path: Path, arena: Arena, meta_now: dict) -> dict:
-    """Restore the arena's persistent state from `path`; returns the checkpoint's meta."""
+def load(path: Path, arena: Arena, meta_now: dict, rank: int = 0) -> dict:
+    """Restore the arena's persistent state from `path`; of a region saved per rank, this
+    rank's bytes (rank 0's when fewer ranks wrote it); returns the checkpoint's meta."""
     payload = read(path)
     plan = arena.plan
     if payload["state_fingerprint"] != state_fingerprint(plan):
         raise CheckpointError(f"checkpoint {path} does not fit this run: {_difference(payload, plan, meta_now)}")
     for name, data in payload["regions"].items():
-        _region_bytes(arena, Region[name]).copy_(data)
+        region = _region_bytes(arena, Region[name])
+        n = region.numel()
+        region.copy_(data[(rank if rank < data.numel() // n else 0) * n:][:n])
+
     for name, value in payload["scalars"].items():
         arena[plan[Baseline[name]]].copy_(value)
     return payload["meta"]
@@ -104,6 +112,10 @@ def _difference(payload: dict, plan: MemoryPlan, meta_now: dict) -> str:
                for k in IDENTITY if then.get(k) != meta_now.get(k)]
     if changed:
         return "; ".join(changed)
+    if payload.get("shards", 1) != plan.config.shards:
+        return (f"its optimizer state is sharded over {payload.get('shards', 1)} ranks, this run's over "
+                f"{plan.config.shards} (resume with the same number of ranks and dist.shard_optimizer)")
+
     for r in STATE_REGIONS:
         ours = [t.name for t in plan.regions[r]]
         if payload["layout"].get(r.name) != ours:

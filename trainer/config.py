@@ -61,6 +61,7 @@ class DataConfig:
     val_resize: float = 1.14  # imagefolder evaluation: resize the short side to resolution*this, center crop
     min_crop_area: float = 0.25  # imagefolder training: random-resized crop area range [this, 1]
     threads: int = 4
+    check_files: bool = True  # imagefolder: look at both ends of every JPEG before training (seconds per million files)
     seed_offset: int = 0
     tta: int = 0  # evaluation views: 0 none, 1 flip, 2 flip and one-pixel translations
 
@@ -194,7 +195,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
-def plan_config(cfg: TrainConfig, schedule_steps: int) -> PlanConfig:
+def plan_config(cfg: TrainConfig, schedule_steps: int, world: int = 1) -> PlanConfig:
     return PlanConfig(amp=cfg.amp, amp_dtype=cfg.amp_dtype, ema=cfg.ema, fold_bn=cfg.fold_bn,
                       optimizer=cfg.optimizer.name, schedule_steps=schedule_steps,
-                      freeze_first_conv=cfg.trainer.first_conv_freeze_epochs >= 0)
+                      freeze_first_conv=cfg.trainer.first_conv_freeze_epochs >= 0,
+                      shards=world if cfg.dist.shard_optimizer else 1,
+                      deep_conv_buckets=cfg.dist.deep_conv_buckets)
+

@@ -1,9 +1,27 @@
-"""The process group: who this process is among the ranks, and the collective range ops.
-With one process every collective is the identity (BN statistics are copied to B_PREV)."""
+"""The process group: who this process is among the ranks of a torchrun job, and the
+collective ops the loop calls. With one process every collective is the identity (BN
+statistics are copied to B_PREV).
+
+One run directory serves the whole job: launch_overrides() gives every rank the same one,
+the same again when torchrun restarts the job, and restart_checkpoint() then continues from
+its newest checkpoint. Rank 0 writes run.log, metrics, plots and checkpoints; every other
+rank writes its warnings and errors to run_rank<r>.log there.
+"""
+import atexit
+import hashlib
 import os
+import time
 from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
 
 import torch
+import torch.distributed as td
+
+from trainer.arena import Arena
+from trainer.collectives import Comm, GradSync, ShardedUpdate
+from trainer.errors import ConfigError, PlanError
+from trainer.regions import Region as R
 
 
 @dataclass
@@ -11,24 +29,79 @@ class Dist:
     rank: int = 0
     world: int = 1
     local_rank: int = 0
+    comm: Comm | None = None  # None: a single process
+    grad_sync: GradSync | None = None
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def check_fingerprint(self, fingerprint: str):
-        """Every rank must have built the same plan."""
-
     def grad_sync_factory(self, ops):
-        """A callable that all-reduces the gradient regions inside the step, or None."""
-        return None
+        """The gradient range ops the step calls right after backward (None alone). Under
+        sharding the ops' update becomes this rank's share of it."""
+        if self.comm is None:
+            return None
+        sharded = ops.config.shards > 1
+        if sharded:
+            ops.shard = ShardedUpdate(ops, self.comm)
+        self.grad_sync = GradSync(ops, self.comm, sharded)
+        return self.grad_sync
+
+    def prepare(self, engine):
+        """Before the first step: every rank must have built the same plan and gradient
+        buckets (else the collectives would pair different tensors, or hang); all start from
+        rank 0's weights and BN statistics (a data-dependent init saw only its rank's data);
+        G_DEEP_CONV's buckets start reducing during backward."""
+        if self.comm is None:
+            return
+        self.agree("plan fingerprint", engine.plans.fingerprint())
+        self.agree("gradient buckets", hashlib.sha256(self.grad_sync.layout().encode()).hexdigest()[:16])
+        offset, nbytes = engine.arena.plan.range(R.B_PREV_MEAN, R.A_DEEP_CONV)
+        td.broadcast(engine.arena.storage[offset:offset + nbytes], src=0)
+        self.grad_sync.watch(engine.model, engine.plans.tensors[engine.plans.variants[0].name])
+
+    def agree(self, what: str, value: str):
+        """Stop every rank, naming the ranks whose `value` differs from rank 0's."""
+        mine = torch.tensor(list(value.encode().ljust(64)[:64]), dtype=torch.uint8, device=self._device())
+        every = torch.empty(self.world * 64, dtype=torch.uint8, device=mine.device)
+        td.all_gather_single(every, mine)
+        values = [bytes(row).decode().rstrip() for row in every.view(self.world, 64).tolist()]
+        differ = [r for r, v in enumerate(values) if v != values[0]]
+        if differ:
+            raise PlanError(f"the ranks built different plans: the {what} of rank 0 is {values[0]}, but "
+                            + ", ".join(f"rank {r} has {values[r]}" for r in differ)
+                            + ". Launch every rank with the same configuration and code (model, optimizer, "
+                              "amp, batch size, data sizes, dist.* settings).")
 
     def average_bn(self, ops):
         """BN_STATS_ALLREDUCE: B_PREV = the mean over ranks of B_NEXT."""
         ops.bn_stats_to_prev()
+        if self.comm is not None:
+            self.comm.mean_(ops.b_prev)
 
     def all_sum_(self, x: torch.Tensor):
         """Sum a small tensor (metric sums) over ranks, in place."""
+        if self.comm is not None:
+            self.comm.sum_(x)
+
+    def gather_per_rank(self, arena: Arena) -> dict:
+        """Every rank's bytes, rank after rank, of the regions that differ between ranks: the
+        BN statistics of its own batches (B_NEXT) and, sharded, its share of the moments. For
+        a checkpoint that rank 0 writes whole; every rank must call it."""
+        if self.comm is None:
+            return {}
+        plan, out = arena.plan, {}
+        for r in R:
+            if (r in (R.B_NEXT_MEAN, R.B_NEXT_VAR) or plan.config.sharded(r)) and plan.region_bytes(r):
+                offset, nbytes = plan.range(r)
+
+                every = torch.empty(self.world * nbytes, dtype=torch.uint8, device=arena.device)
+                td.all_gather_single(every, arena.storage[offset:offset + nbytes])
+                out[r.name] = every.cpu()
+        return out
+
+    def _device(self) -> torch.device:
+        return torch.device("cpu") if self.comm.stream is None else torch.device("cuda", self.local_rank)
 
 
 def from_env() -> Dist:
@@ -37,7 +110,84 @@ def from_env() -> Dist:
                 int(os.environ.get("LOCAL_RANK", 0)))
 
 
+def launched(env=os.environ) -> bool:
+    """Started by torchrun (or another launcher that sets the env:// rendezvous)."""
+    return "WORLD_SIZE" in env and "MASTER_ADDR" in env
+
+
+def start(cfg) -> Dist:
+    """Join the job's process group: NCCL on GPUs, gloo on CPUs (cfg.dist.backend=auto),
+    one GPU per local rank. Outside torchrun: a single process, no group."""
+    d = from_env()
+    if not launched():
+        return d
+    device = device_for(cfg.device, d)
+    backend = cfg.dist.backend if cfg.dist.backend != "auto" else "nccl" if device.type == "cuda" else "gloo"
+    if (backend == "nccl") != (device.type == "cuda"):
+        raise ConfigError(f"dist.backend={backend} does not run on {device.type}: NCCL needs GPUs (and "
+                          f"collectives inside captured CUDA graphs need NCCL), gloo runs on CPUs; "
+                          f"use dist.backend=auto")
+    if device.type == "cuda":
+        if d.local_rank >= torch.cuda.device_count():
+            raise ConfigError(f"local rank {d.local_rank} has no GPU: this node has {torch.cuda.device_count()}; "
+                              f"launch at most that many processes per node (--nproc_per_node)")
+        torch.cuda.set_device(device)
+    td.init_process_group(backend, timeout=timedelta(seconds=cfg.dist.timeout_s),
+                          device_id=device if backend == "nccl" else None)
+    atexit.register(td.destroy_process_group)
+    return Dist(d.rank, d.world, d.local_rank, Comm(d.rank, d.world, device, backend))
+
+
 def device_for(choice: str, d: Dist) -> torch.device:
     if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     return torch.device("cuda", d.local_rank)
+
+
+def launch_overrides(argv: list[str], env=os.environ) -> list[str]:
+    """Hydra overrides for one rank of a torchrun job (none outside one). Hydra's timestamped
+    directory would differ between ranks and between torchrun's restarts, so every rank
+    gets outputs/torchrun/<job id> unless the command line names hydra.run.dir."""
+    if not launched(env):
+        return []
+    out = []
+    if not any(a.lstrip("+").startswith("hydra.run.dir=") for a in argv):
+        out.append(f"hydra.run.dir=outputs/torchrun/{job_id(env)}")
+    rank = int(env["RANK"])
+    if rank:  # rank 0 keeps run.log and .hydra/; the others log their warnings and errors
+        out += [f"hydra.job.name=run_rank{rank}", "hydra.output_subdir=null", "hydra.job_logging.root.level=WARNING"]
+    return out
+
+
+def job_id(env=os.environ) -> str:
+    """torchrun's run id (--rdzv_id; a fresh uuid for a single-node launch). A static
+    rendezvous (--master_port) has none: on one node the workers' parent, torchrun's agent,
+    identifies the job (it outlives restarts); across nodes the nodes cannot agree on one."""
+    run_id = env.get("TORCHELASTIC_RUN_ID", "none")
+    if run_id not in ("", "none"):
+        return run_id
+    if env["WORLD_SIZE"] != env.get("LOCAL_WORLD_SIZE"):
+        raise SystemExit("a multi-node torchrun job needs --rdzv_id=JOB_ID (or hydra.run.dir=DIR on a shared "
+                         "filesystem), so that every node writes to and resumes from one run directory")
+    return _agent_started()
+
+
+def _agent_started() -> str:
+    """The start time and pid of the parent process (Linux /proc), else its pid."""
+    agent = os.getppid()
+    try:
+        ticks = int(Path(f"/proc/{agent}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return f"agent{agent}"
+    started = time.localtime(boot + ticks // os.sysconf("SC_CLK_TCK"))
+    return time.strftime("%Y-%m-%d_%H-%M-%S", started) + f"_{agent}"
+
+
+def restart_checkpoint(run_dir: Path) -> str:
+    """After torchrun restarted the job (TORCHELASTIC_RESTART_COUNT > 0): the run directory,
+    whose newest checkpoint the run continues from, if it has one; else ''."""
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0:
+        return ""
+    return str(run_dir) if any((run_dir / "checkpoints").glob("epoch_*.pt")) else ""

@@ -35,6 +35,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, run_dir: Path, dist: Dist):
         self.clock = Stopwatch()
         self.cfg, self.run_dir, self.dist = cfg, run_dir, dist
+        run_dir.mkdir(parents=True, exist_ok=True)
         t = cfg.trainer
         self.device = device_for(cfg.device, dist)
         if self.device.type == "cuda":
@@ -48,7 +49,7 @@ class Trainer:
         if t.first_conv_init == "whiten":
             init = lambda model: whiten_first_conv(first_conv(model), self.train_source.peek(5000))
         self.engine = e = assemble(cfg, self.device, dist.world, init, grad_sync_factory=dist.grad_sync_factory)
-        dist.check_fingerprint(e.plans.fingerprint())
+        dist.prepare(e)
         self.model, self.plans, self.arena, self.ops, self.executor = e.model, e.plans, e.arena, e.ops, e.executor
         self.per_epoch = steps_per_epoch(self.train_source.size, t.batch_size, t.drop_last)
         self.total_steps = self.plans.main.config.schedule_steps
@@ -57,7 +58,7 @@ class Trainer:
         self.meta = checkpoint.identity(cfg)
         self.start_epoch, self.history = 0, []
         if t.resume:
-            done = checkpoint.load(Path(t.resume), self.arena, self.meta)
+            done = checkpoint.load(Path(t.resume), self.arena, self.meta, dist.rank)
             self.start_epoch, self.history = done["epoch"], done.get("history", [])
             log.info("resumed from %s after epoch %d", t.resume, self.start_epoch)
         self.executor.capture()
@@ -147,7 +148,7 @@ class Trainer:
         t = self.cfg.trainer
         self.images, self.train_seconds, self.first_step_s = 0, 0.0, None  # of this run
         epochs = math.ceil(t.epochs)
-        row = {}
+        row, run_start = {}, self._event()
         for epoch in range(self.start_epoch, epochs):
             row = {"epoch": epoch + 1, **self.train_epoch(epoch)}
             last = epoch + 1 == epochs
@@ -162,6 +163,7 @@ class Trainer:
                 log.info("stopping after epoch %d as trainer.stop_after_epoch asks; resume with "
                          "trainer.resume=%s", epoch + 1, self.run_dir / "checkpoints")
                 break
+        self.run_seconds = self._elapsed(run_start, self._event())
         self.metrics.close()
         summary = self.summary(row)
         if self.dist.is_main:
@@ -171,11 +173,14 @@ class Trainer:
         return summary
 
     def save(self, epochs_done: int):
+        per_rank = self.dist.gather_per_rank(self.arena)  # every rank takes part; rank 0 writes
         if not self.dist.is_main:
             return
         folder = self.run_dir / "checkpoints"
         meta = {**self.meta, "epoch": epochs_done, "history": self.history}
-        checkpoint.save(folder / f"epoch_{epochs_done:04d}.pt", self.arena, meta)
+        checkpoint.save(folder / f"epoch_{epochs_done:04d}.pt", self.arena, meta, per_rank)
+
+
         checkpoint.prune(folder, self.cfg.trainer.keep_checkpoints)
 
     def summary(self, last_row: dict) -> dict:
@@ -184,6 +189,8 @@ class Trainer:
                 "steps": steps, "epochs": self.history[-1]["epoch"] if self.history else 0,
                 "images_per_s": round(self.images / self.train_seconds, 1) if self.train_seconds else None,
                 "train_s": round(self.train_seconds, 3), "setup_s": round(self.setup_s, 3),
+                # first training step to last evaluation result: the time to accuracy
+                "train_and_eval_s": round(self.run_seconds, 3),
                 "wall_s": round(self.clock(), 3), "time_to_first_step_s": self.first_step_s,
                 "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
                 "world_size": self.dist.world, "graphs": self.executor.use_graphs}

@@ -27,12 +27,22 @@ class PlanConfig:
     optimizer: str = "momentum"
     schedule_steps: int = 1  # length of the learning-rate table the step graph indexes
     freeze_first_conv: bool = False  # keep a stash to hold the first conv fixed after some step
+    # ZeRO stage 1: the moments (M_, V_) are split over this many ranks, each holding 1/shards
+    # of every unit (a region, or one bucket of G_DEEP_CONV); 1 keeps them replicated.
+    shards: int = 1
+    deep_conv_buckets: int = 1  # gradient buckets over G_DEEP_CONV (shard units when sharded)
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZERS:
             raise PlanError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
         if self.amp_dtype not in ("fp16", "bf16"):
             raise PlanError(f"amp_dtype must be fp16 or bf16, not {self.amp_dtype!r}")
+        if self.shards < 1 or self.deep_conv_buckets < 1:
+            raise PlanError(f"shards ({self.shards}) and deep_conv_buckets ({self.deep_conv_buckets}) must be >= 1")
+        if self.shards > 1 and not self.has_momentum:
+            raise PlanError("sharded optimizer state needs an optimizer that keeps some: sgd has none; "
+                            "use momentum, nesterov, adam, adamw or lars, or dist.shard_optimizer=false")
+
 
     @property
     def has_momentum(self) -> bool:
@@ -60,6 +70,11 @@ class PlanConfig:
         if name.startswith("N_"):
             return self.optimizer == "lars"
         return True
+
+    def sharded(self, region: Region) -> bool:
+        """Does each rank hold only its share of this region? The moments, under sharding.
+        N_ stays replicated: it holds whole-tensor norms, summed over the ranks' shares."""
+        return self.shards > 1 and region.name.startswith(("M_", "V_"))
 
 
 class Baseline(IntEnum):
@@ -168,9 +183,9 @@ class MemoryPlan:
         if c.amp and half:
             p.a = self._place(FAMILY["A"][kind], name + ".half", shape)
             p.g16 = self._place(FAMILY["G16"][kind], name + ".half_grad", shape)
-        if c.has_momentum:
+        if c.has_momentum and c.shards == 1:  # sharded moments are placed per shard unit
             p.m = self._place(FAMILY["M"][kind], name + ".momentum", shape)
-        if c.has_second_moment:
+        if c.has_second_moment and c.shards == 1:
             p.v = self._place(FAMILY["V"][kind], name + ".second_moment", shape)
         if c.optimizer == "lars" and half:
             p.n = self._place(FAMILY["N"][kind], name + ".norms", (2,))  # |w|, |g|
@@ -179,6 +194,13 @@ class MemoryPlan:
             if c.amp and half:
                 p.e16 = self._place(FAMILY["E16"][kind], name + ".ema_half", shape)
         return p
+
+    def add_moment_shard(self, kind: Kind, name: str, elements: int) -> tuple[DTensor, DTensor | None]:
+        """This rank's share of the moments of one shard unit: `elements` fp32 values each."""
+        m = self._place(FAMILY["M"][kind], name + ".momentum_shard", (elements,))
+        v = self._place(FAMILY["V"][kind], name + ".second_moment_shard", (elements,)) \
+            if self.config.has_second_moment else None
+        return m, v
 
     def add_bn_statistics(self, name: str, channels: int) -> BNTensors:
         shape = (channels,)
@@ -298,6 +320,9 @@ class MemoryPlan:
             for role in roles + (half_roles if kind in HALF_KINDS else []):
                 region = FAMILY[role][kind]
                 twins = self.regions[region]
+                if c.sharded(region):
+                    self._validate_share(region, FAMILY["W"][kind])
+                    continue
                 if len(twins) != len(master):
                     raise PlanError(f"layer correspondence: {region.name} holds {len(twins)} tensors, "
                                     f"{FAMILY['W'][kind].name} holds {len(master)}")
@@ -309,6 +334,15 @@ class MemoryPlan:
                         raise PlanError(f"layer correspondence: {t.name!r} in {region.name} has a "
                                         f"{t.slot_bytes}-byte slot, which does not line up with "
                                         f"{w.name!r} ({w.slot_bytes} bytes)")
+
+    def _validate_share(self, region: Region, master: Region):
+        """A sharded region holds 1/shards of its master range, in whole chunks of 128 values
+        (LARS maps chunks to tensors), so the ranks' shares tile the range exactly."""
+        held = [t.numel for t in self.regions[region]]
+        if sum(held) * self.config.shards != self.region_bytes(master) // 4 or any(n % 128 for n in held):
+            raise PlanError(f"sharding: {region.name} holds shares of {held} values; {self.config.shards} "
+                            f"ranks' shares must tile {master.name}'s {self.region_bytes(master) // 4} values "
+                            f"in whole 128-value chunks")
 
     def region_bytes(self, region: Region) -> int:
         return sum(t.slot_bytes for t in self.regions[region])
@@ -337,9 +371,18 @@ class MemoryPlan:
                 for t in self.tensors]
         return hashlib.sha256(json.dumps([self.total_bytes, self.config.amp_dtype, rows]).encode()).hexdigest()[:16]
 
+    def sharding(self) -> dict:
+        """Bytes per GPU of the sharded regions, and what they would take replicated (a
+        moment region mirrors its master weight region slot for slot)."""
+        sharded = [r for r in Region if self.config.sharded(r)]
+        held = sum(self.region_bytes(r) for r in sharded)
+        replicated = sum(self.region_bytes(Region["W" + r.name[1:]]) for r in sharded)
+        return {"shards": self.config.shards, "sharded_regions": [r.name for r in sharded if self.regions[r]],
+                "bytes_per_gpu": held, "replicated_bytes": replicated, "saved_bytes_per_gpu": replicated - held}
+
     def to_json(self, variants=()) -> dict:
         self._require_frozen()
         return {"total_bytes": self.total_bytes, "fingerprint": self.fingerprint(),
                 "config": asdict(self.config),
                 "variants": [{"name": v.name, "batch": v.batch, "resolution": v.resolution} for v in variants],
-                "regions": self.layout()}
+                "regions": self.layout(), **({"sharding": self.sharding()} if self.config.shards > 1 else {})}

@@ -16,6 +16,8 @@ from kernels.reference import CHUNK
 from trainer.regions import FAMILY, HALF_KINDS, Kind
 from trainer.variants import Variant
 
+_HALF_TWINS = ("a", "g16", "e16")  # ParamTensors fields whose slots are half their master's
+
 _BN_STATS = ("running_mean", "running_var", "num_batches_tracked")
 
 
@@ -93,8 +95,45 @@ def classify(model: nn.Module) -> tuple[list[tuple[str, Kind, tuple]], list[tupl
     return params, bns
 
 
+def unit_sizes(kind: Kind, numels: list[int], deep_conv_buckets: int) -> list[int]:
+    """How many consecutive tensors of a layer kind each unit holds. A unit is what one
+    gradient collective covers: the whole region, except that deep convs split into up to
+    `deep_conv_buckets` buckets of about equal size, which all-reduce while backward is still
+    producing the earlier layers' gradients. Sharded moments are split unit by unit."""
+    parts = deep_conv_buckets if kind == Kind.DEEP_CONV else 1
+    total, sizes, done, count = sum(numels), [], 0, 0
+    for n in numels:
+        done, count = done + n, count + 1
+        if len(sizes) < parts - 1 and done * parts >= total * (len(sizes) + 1):
+            sizes.append(count)
+            count = 0
+    return sizes + [count] if count else sizes
+
+
+def _shard_moments(plan: MemoryPlan, placed: dict[str, ParamTensors]):
+    """ZeRO stage 1: pad every unit to whole 128-value chunks per rank (the last tensor's slot
+    grows, in every family that mirrors the weights, so the families still line up), then
+    place this rank's share of the unit's moments."""
+    c = plan.config
+    for kind in Kind:
+        params = [p for p in placed.values() if p.kind == kind]
+        start = 0
+        for i, size in enumerate(unit_sizes(kind, [p.w.numel for p in params], c.deep_conv_buckets)):
+            unit, start = params[start:start + size], start + size
+            fp32_bytes = sum(p.w.slot_bytes for p in unit)
+            pad = -fp32_bytes % (c.shards * CHUNK * 4)
+            last = unit[-1]
+            for field in ("w", "g", "e") + _HALF_TWINS:
+                t = getattr(last, field)
+                if t is not None:
+                    t.slot_bytes += pad // 2 if field in _HALF_TWINS else pad
+            plan.add_moment_shard(kind, f"{kind.name.lower()}.unit{i}", (fp32_bytes + pad) // 4 // c.shards)
+
+
 def _allocate(plan: MemoryPlan, params, bns, variant: Variant, num_classes: int, in_channels: int) -> ModelTensors:
     placed = {name: plan.add_parameter(name, kind, shape) for name, kind, shape in params}
+    if plan.config.shards > 1:
+        _shard_moments(plan, placed)
     stats = {name: plan.add_bn_statistics(name, channels) for name, channels in bns}
     c = plan.config
     if c.freeze_first_conv:  # W, and M, V where they exist, of the first conv

@@ -23,8 +23,11 @@ from trainer.variants import Variant
 class Program:
     def __init__(self, variant: Variant, buffer: str, model: nn.Module, tensors: ModelTensors, arena: Arena,
                  ops: RangeOps, label_smoothing: float = 0.0, tta_level: int = 0,
-                 grad_sync: Callable[[], None] | None = None):
+                 grad_sync: Callable[[], None] | None = None, forward: nn.Module | None = None):
+        """forward: what computes the logits, when not the bound model itself (the
+        torch.compile'd model under compile=true)."""
         self.variant, self.buffer, self.model, self.tensors = variant, buffer, model, tensors
+        self.forward = forward or model
         self.arena, self.ops = arena, ops
         self.smoothing, self.tta_level, self.grad_sync = label_smoothing, tta_level, grad_sync
         self.x = arena[tensors.input.data[buffer]]
@@ -41,7 +44,7 @@ class Program:
         self.model.train()
         ops.schedule()
         ops.clear_grads()
-        logits = self.model(self.x)
+        logits = self.forward(self.x)
         grad = self.arena[self.tensors.grad_slot]
         cross_entropy_(logits, self.y, self.smoothing, self.results, grad_out=grad,
                        grad_scale=s[B.LOSS_SCALE] if amp else None, nan_seen=None if amp else s[B.NAN_SEEN])
@@ -61,7 +64,7 @@ class Program:
         self.model.eval()
         use_statistics(self.model, self.tensors, self.arena, "prev")
         try:
-            z = tta.logits(self.model, self.x, self.tta_level)
+            z = tta.logits(self.forward, self.x, self.tta_level)
         finally:
             use_statistics(self.model, self.tensors, self.arena, "next")
         self.arena[self.tensors.features].copy_(z)

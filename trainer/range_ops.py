@@ -49,6 +49,7 @@ class RangeOps:
             self.chunk_segment = arena[next(t for t in plan.regions[R.T_TEMP_INT32]
                                             if t.name == "lars_chunk_segment")]
         self.b_next, self.b_prev = f(R.B_NEXT_MEAN, R.B_NEXT_VAR), f(R.B_PREV_MEAN, R.B_PREV_VAR)
+        self.shard = None  # trainer.collectives.ShardedUpdate under ZeRO-1: this rank's share of the update
         if c.freeze_first_conv:
             self.first_conv = [f(r) for r in (R.W_FIRST_CONV, R.M_FIRST_CONV, R.V_FIRST_CONV) if c.enabled(r)]
             self.stash = arena[next(t for t in plan.regions[R.T_TEMP_FP32] if t.name == "first_conv_stash")]
@@ -98,6 +99,8 @@ class RangeOps:
             self.k.unscale_(self.g_bias, self.g_bias, inv, found)
         else:
             self.k.check_finite_(self.g_all, found)
+        if self.shard is not None:
+            self.shard.agree_on_overflow(found)
         if self.dynamic_scale:
             self._update_scale()
         s[B.OPT_STEP].add_(1 - found.to(torch.int32))
@@ -124,7 +127,10 @@ class RangeOps:
                 x.copy_(torch.where(done, kept, x))
 
     def _update_blocks(self):
+        if self.shard is not None:
+            return self.shard.update(self)
         s, opt, skip = self.s, self.config.optimizer, self.s[B.OVERFLOW]
+
         mu = s[B.MOMENTUM]
         blocks = ((self.w_bias, self.g_bias, self.m_bias, s[B.LR_BIAS], s[B.WEIGHT_DECAY_BIAS], "v_bias"),
                   (self.w_weight, self.g_weight, self.m_weight, s[B.LR_WEIGHT], s[B.WEIGHT_DECAY], "v_weight"))

@@ -46,7 +46,8 @@ def make_variants(cfg: TrainConfig, world: int = 1) -> tuple[list[Variant], int]
 def make_plans(cfg: TrainConfig, world: int = 1) -> tuple[nn.Module, Plans]:
     model = make_model(cfg)
     variants, steps = make_variants(cfg, world)
-    return model, build_plans(model, plan_config(cfg, steps), variants, cfg.model.num_classes)
+    return model, build_plans(model, plan_config(cfg, steps, world), variants
+, cfg.model.num_classes)
 
 
 @dataclass
@@ -89,7 +90,9 @@ def assemble(cfg: TrainConfig, device: torch.device, world: int = 1,
                      t.grad_scale_init)
     ops.set_ema_decay(cfg.ema_decay)
     grad_sync = grad_sync_factory(ops) if grad_sync_factory is not None else None
+    # Inductor fuses forward and backward; the Executor captures its kernels in the step graph.
+    forward = torch.compile(model, dynamic=False) if cfg.compile else model
     programs = {(v.name, b): Program(v, b, model, plans.tensors[v.name], arena, ops, t.label_smoothing,
-                                     cfg.data.tta, grad_sync)
+                                     cfg.data.tta, grad_sync, forward)
                 for v in plans.variants for b in BUFFERS}
     return Engine(model, plans, arena, ops, programs, Executor(programs, arena, cfg.graphs))

@@ -1,24 +1,44 @@
-"""Input: the embedded synthetic data, CIFAR-10 and JPEG folders, written into the arena."""
+"""Input: the embedded synthetic data, CIFAR-10 and JPEG folders, written into the arena.
+
+Each data set's module builds a (train, val) pair of Sources (source.py: the contract).
+The modules are imported only when their data set is asked for, so the planner, which
+needs only dataset_sizes, runs without DALI.
+"""
+import importlib
 from pathlib import Path
 
-from trainer.config import DataConfig
-from trainer.errors import DataError
+import torch
 
-_FULL_SIZE = {"synthetic": (4096, 1024), "cifar10": (50000, 10000)}
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".JPG", ".JPEG")
+from trainer.config import DataConfig, TrainConfig
+from trainer.data.jpeg_files import find_split, list_split
+from trainer.data.source import Shard, Source
 
-
-def _count_images(folder: Path) -> int:
-    if not folder.is_dir():
-        raise DataError(f"missing directory {folder}: data.root must hold train/ and val/ class folders")
-    return sum(1 for f in folder.rglob("*") if f.suffix in IMAGE_SUFFIXES)
+_FULL_SIZE = {"cifar10": (50000, 10000)}
+_SYNTHETIC_DEFAULT = (4096, 1024)
+_MODULES = {"synthetic": "trainer.data.synthetic", "cifar10": "trainer.data.cifar",
+            "imagefolder": "trainer.data.jpeg_folder"}
 
 
 def dataset_sizes(d: DataConfig) -> tuple[int, int]:
-    """Examples in the training and evaluation splits (train_size / val_size cap them)."""
+    """Examples in the training and evaluation splits (train_size / val_size cap them;
+    the synthetic set has exactly that many)."""
+    if d.name == "synthetic":
+        return d.train_size or _SYNTHETIC_DEFAULT[0], d.val_size or _SYNTHETIC_DEFAULT[1]
     if d.name == "imagefolder":
-        full = (_count_images(Path(d.root) / "train"), _count_images(Path(d.root) / "val"))
+        full = tuple(len(list_split(find_split(Path(d.root), (split,)))[0]) for split in ("train", "val"))
     else:
         full = _FULL_SIZE[d.name]
     return (min(full[0], d.train_size) if d.train_size else full[0],
             min(full[1], d.val_size) if d.val_size else full[1])
+
+
+def build_sources(cfg: TrainConfig, device: torch.device, rank: int, world: int,
+                  half: torch.dtype | None) -> tuple[Source, Source]:
+    """(train, val) sources for this rank. half: torch.float16/bfloat16 under AMP (data
+    written as that dtype, 4 channels: RGB + a zero channel), None for fp32 3-channel data."""
+    d, t = cfg.data, cfg.trainer
+    train_size, val_size = dataset_sizes(d)
+    train = Shard(train_size, t.batch_size, rank, world, train=True, drop_last=t.drop_last)
+    val = Shard(val_size, t.val_batch_size or t.batch_size, rank, world, train=False)
+    module = importlib.import_module(_MODULES[d.name])
+    return module.sources(d, train, val, t.seed + d.seed_offset, device, half)

@@ -1,0 +1,205 @@
+"""CIFAR-10 resident on the device: loading, augmentation written into the arena, sharding."""
+import pickle
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trainer.config import DataConfig, TrainConfig, TrainerConfig
+from trainer.data import build_sources
+from trainer.data.cifar import CIFAR_MEAN, CIFAR_STD
+
+CPU = torch.device("cpu")
+ARCHIVE = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10-jpeg.tgz"
+N_TRAIN, N_VAL = 40, 12
+
+
+def fake_images(n: int, offset: int) -> np.ndarray:
+    """Every image distinct and asymmetric: red = its index, green = column, blue = row."""
+    img = np.zeros((n, 32, 32, 3), np.uint8)
+    img[..., 0] = (np.arange(n) + offset)[:, None, None]
+    img[..., 1] = np.arange(32)[None, None, :] * 7
+    img[..., 2] = np.arange(32)[None, :, None] * 5
+    return img
+
+
+@pytest.fixture(scope="module")
+def batches(tmp_path_factory) -> Path:
+    """cifar-10-batches-py with 5 x 8 training and 12 test images."""
+    root = tmp_path_factory.mktemp("cifar") / "cifar-10-batches-py"
+    root.mkdir()
+    files = [(f"data_batch_{i}", fake_images(8, 8 * (i - 1))) for i in range(1, 6)]
+    files.append(("test_batch", fake_images(N_VAL, 100)))
+    for name, img in files:
+        rows = img.transpose(0, 3, 1, 2).reshape(len(img), -1)
+        labels = [int(v) % 10 for v in img[:, 0, 0, 0]]
+        (root / name).write_bytes(pickle.dumps({b"data": rows, b"labels": labels}))
+    return root.parent  # the folder that holds cifar-10-batches-py
+
+
+def config(root, batch=8, val_batch=0, crop_padding=4, flip="random", drop_last=True, **data):
+    return TrainConfig(data=DataConfig(name="cifar10", root=str(root), train_size=N_TRAIN, val_size=N_VAL,
+                                       crop_padding=crop_padding, flip=flip, **data),
+                       trainer=TrainerConfig(batch_size=batch, val_batch_size=val_batch, drop_last=drop_last))
+
+
+def pixels(data: torch.Tensor) -> torch.Tensor:
+    """Normalized NHWC back to 0..255 values."""
+    return data[..., :3].float() * torch.tensor(CIFAR_STD) * 255 + torch.tensor(CIFAR_MEAN) * 255
+
+
+def epoch(source, n_batches, batch, resolution=32, channels=3, dtype=torch.float32, epoch=0, mask=False):
+    source.start_epoch(epoch, resolution)
+    out = []
+    for _ in range(n_batches):
+        data = torch.empty(batch, resolution, resolution, channels, dtype=dtype)
+        label = torch.empty(batch, dtype=torch.int32)
+        m = torch.empty(batch, dtype=torch.int8) if mask else None
+        source.fill(data, label, m, None)
+        out.append((data, label, m))
+    return out
+
+
+def test_val_is_the_images_in_order_normalized_with_their_labels(batches):
+    _, val = build_sources(config(batches, val_batch=6), CPU, 0, 1, None)
+    got = epoch(val, 2, 6, mask=True)
+    data, labels = torch.cat([d for d, _, _ in got]), torch.cat([lab for _, lab, _ in got])
+    torch.testing.assert_close(pixels(data), torch.from_numpy(fake_images(N_VAL, 100)).float(), atol=1e-3, rtol=0)
+    assert labels.tolist() == [v % 10 for v in range(100, 112)]
+    assert all(m.tolist() == [1] * 6 for _, _, m in got)
+
+
+def test_val_shards_pad_the_last_batch_and_mask_the_padding(batches):
+    seen, padding = [], 0
+    for rank in range(5):  # ceil(12 / 5) = 3 per rank, batches of 2 and 1: 15 slots for 12 images
+        _, val = build_sources(config(batches, val_batch=2), CPU, rank, 5, None)
+        assert val.size == 3
+        val.start_epoch(0, 32)
+        for n in (2, 1):
+            data, label, mask = torch.empty(n, 32, 32, 3), torch.empty(n, dtype=torch.int32), torch.empty(n, dtype=torch.int8)
+            val.fill(data, label, mask, None)
+            index = pixels(data)[:, 0, 0, 0].round().long() - 100
+            seen += index[mask == 1].tolist()
+            padding += int((mask == 0).sum())
+    assert sorted(seen) == list(range(12)) and padding == 3
+
+
+def test_train_batches_are_padded_crops_maybe_mirrored_of_the_right_images(batches):
+    train, _ = build_sources(config(batches, crop_padding=2), CPU, 0, 1, None)
+    shifts = set()
+    for data, label, _ in epoch(train, 5, 8):
+        for image, lab in zip(pixels(data).round().to(torch.uint8).numpy(), label.tolist()):
+            index = int(image[16, 16, 0])  # red is the image's index everywhere, padding included
+            original = np.pad(fake_images(N_TRAIN, 0)[index], ((2, 2), (2, 2), (0, 0)), mode="reflect")
+            views = {(dy, dx, f): original[dy:dy + 32, dx:dx + 32][:, ::-1 if f else 1]
+                     for dy in range(5) for dx in range(5) for f in (0, 1)}
+            match = [k for k, v in views.items() if np.array_equal(v, image)]
+            assert match and lab == index % 10
+            shifts.add(match[0])
+    assert len(shifts) > 10 and {f for _, _, f in shifts} == {0, 1}  # crops and flips vary
+
+
+def test_two_ranks_get_one_ranks_batches_augmentation_included(batches):
+    one, _ = build_sources(config(batches, batch=8), CPU, 0, 1, None)
+    halves = [build_sources(config(batches, batch=4), CPU, r, 2, None)[0] for r in range(2)]
+    for (d1, l1, _), (a, la, _), (b, lb, _) in zip(epoch(one, 5, 8, epoch=1), epoch(halves[0], 5, 4, epoch=1),
+                                                   epoch(halves[1], 5, 4, epoch=1)):
+        torch.testing.assert_close(torch.cat([a, b]), d1, atol=0, rtol=0)
+        assert torch.cat([la, lb]).tolist() == l1.tolist()
+
+
+def test_epochs_are_reproducible_and_differ(batches):
+    train, _ = build_sources(config(batches), CPU, 0, 1, None)
+    first, again, other = (torch.cat([d for d, _, _ in epoch(train, 5, 8, epoch=e)]) for e in (3, 3, 4))
+    assert torch.equal(first, again) and not torch.equal(first, other)
+
+
+def test_alternating_flip_mirrors_each_image_the_other_way_next_epoch(batches):
+    train, _ = build_sources(config(batches, crop_padding=0, flip="alternating"), CPU, 0, 1, None)
+    plain = fake_images(N_TRAIN, 0)
+    mirrored = {}
+    for e in range(3):
+        for data, _, _ in epoch(train, 5, 8, epoch=e):
+            for image in pixels(data).round().to(torch.uint8).numpy():
+                index = int(image[0, 0, 0])
+                assert np.array_equal(image, plain[index]) or np.array_equal(image, plain[index][:, ::-1])
+                mirrored.setdefault(index, []).append(not np.array_equal(image, plain[index]))
+    assert 5 < sum(m[0] for m in mirrored.values()) < 35
+    assert all(m[1] != m[0] and m[2] == m[0] for m in mirrored.values())
+
+
+def test_last_partial_batch_and_low_resolution(batches):
+    train, _ = build_sources(config(batches, batch=16, drop_last=False), CPU, 0, 1, None)
+    assert train.size == 40
+    train.start_epoch(0, 32)
+    seen = []
+    for n in (16, 16, 8):  # the last batch is the 8 left over
+        data, label = torch.empty(n, 32, 32, 3), torch.empty(n, dtype=torch.int32)
+        train.fill(data, label, None, None)
+        seen += pixels(data)[:, 16, 16, 0].round().long().tolist()
+    assert sorted(seen) == list(range(40))
+    # low resolution: the same crops and flips (same epoch), resized
+    hi = epoch(train, 1, 16, epoch=5)[0][0]
+    lo = epoch(train, 1, 16, resolution=16, epoch=5)[0][0]
+    expected = F.interpolate(hi.permute(0, 3, 1, 2), size=(16, 16), mode="bilinear", antialias=True)
+    torch.testing.assert_close(lo, expected.permute(0, 2, 3, 1), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])
+def test_half_data_has_a_zero_fourth_channel(batches, half):
+    train, _ = build_sources(config(batches), CPU, 0, 1, half)
+    data = epoch(train, 1, 8, channels=4, dtype=half)[0][0]
+    reference = epoch(build_sources(config(batches), CPU, 0, 1, None)[0], 1, 8)[0][0]
+    assert torch.all(data[..., 3] == 0)
+    torch.testing.assert_close(data[..., :3].float(), reference, atol=0.02, rtol=0.01)
+
+
+def test_fill_writes_in_place_and_leaves_the_other_buffer_alone(batches):
+    train, _ = build_sources(config(batches), CPU, 0, 1, None)
+    arena = torch.zeros(2 * 8 * 32 * 32 * 3)
+    a, b = arena[:8 * 32 * 32 * 3].view(8, 32, 32, 3), arena[8 * 32 * 32 * 3:].view(8, 32, 32, 3)
+    pointers = (a.data_ptr(), b.data_ptr())
+    label = torch.empty(8, dtype=torch.int32)
+    train.start_epoch(0, 32)
+    train.fill(a, label, None, None)
+    kept = a.clone()
+    train.fill(b, label, None, None)
+    assert (a.data_ptr(), b.data_ptr()) == pointers
+    assert torch.equal(a, kept) and b.abs().sum() > 0 and not torch.equal(a, b)
+
+
+def test_peek_is_normalized_unaugmented_nchw(batches):
+    train, _ = build_sources(config(batches), CPU, 0, 1, None)
+    images = train.peek(6)
+    assert images.shape == (6, 3, 32, 32) and images.dtype == torch.float32
+    indices = [int(v) for v in pixels(images.permute(0, 2, 3, 1))[:, 0, 0, 0].round()]
+    expected = torch.from_numpy(fake_images(N_TRAIN, 0)[indices]).float()
+    torch.testing.assert_close(pixels(images.permute(0, 2, 3, 1)), expected, atol=1e-3, rtol=0)
+    assert indices != list(range(6))  # epoch 0's shuffled order, the same on every rank
+
+
+def test_too_few_images_for_the_configured_size(batches):
+    cfg = config(batches)
+    cfg.data.train_size = 0  # the full 50000
+    with pytest.raises(Exception, match="holds 40 train images, fewer than the 50000"):
+        build_sources(cfg, CPU, 0, 1, None)
+
+
+@pytest.mark.skipif(not ARCHIVE.exists(), reason=f"{ARCHIVE} is absent (the shared CIFAR-10 JPEG archive)")
+def test_the_cifar10_jpeg_archive():
+    cfg = TrainConfig(data=DataConfig(name="cifar10", root=str(ARCHIVE), train_size=1000, val_size=500),
+                      trainer=TrainerConfig(batch_size=500))
+    start = time.time()
+    train, val = build_sources(cfg, CPU, 0, 1, None)
+    assert time.time() - start < 30
+    assert train.images.shape == (1000, 32, 32, 3) and val.images.shape == (500, 32, 32, 3)
+    counts = torch.bincount(train.labels.long(), minlength=10)
+    assert counts.min() > 60  # a random subset keeps every class
+    data, label, _ = epoch(val, 1, 500)[0]
+    assert abs(data.mean()) < 0.15 and 0.85 < data.std() < 1.15  # CIFAR's statistics fit these files
+    # labels follow the sorted folder names: airplanes are mostly blue sky, frogs green-brown
+    blue_minus_red = (data[..., 2] - data[..., 0]).mean((1, 2))
+    assert blue_minus_red[label == 0].mean() > blue_minus_red[label == 6].mean() + 0.2

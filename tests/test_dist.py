@@ -1,0 +1,428 @@
+"""Data-parallel training on the CPU: two processes on gloo.
+
+Per-rank BatchNorm normalizes over the rank's own batch, so N ranks at batch B/N compute
+what one rank computes when each BN layer normalizes every 1/N of its batch on its own
+(ghost batches); that is the one-rank reference the distributed runs must equal.
+
+Run as a script, this file is a trainer process for the end-to-end tests (see the end).
+"""
+import functools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from trainer import dist  # noqa: E402
+from trainer.collectives import units  # noqa: E402
+from trainer.errors import CheckpointError, PlanError  # noqa: E402
+
+from trainer.plan import Baseline as B  # noqa: E402
+from trainer.regions import FAMILY  # noqa: E402
+from trainer.regions import Region as R  # noqa: E402
+
+WORLD = 2
+BATCH = 8  # per rank
+TINY = ["data.train_size=64", "data.val_size=32", f"trainer.batch_size={BATCH}", "trainer.epochs=2"]
+
+
+def config(*overrides):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from trainer.config import register, validate
+    register()
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return validate(OmegaConf.to_object(compose("train", overrides=list(overrides))))
+
+
+def ghost_batch_norm(model: nn.Module, chunks: int) -> nn.Module:
+    """Every BatchNorm normalizes each 1/chunks of a training batch on its own."""
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.forward = functools.partial(_ghost_forward, m, type(m).forward, chunks)
+    return model
+
+
+
+def _ghost_forward(bn, forward, chunks, x):
+    if not bn.training:
+        return forward(bn, x)
+    return torch.cat([forward(bn, part) for part in x.chunk(chunks)])
+
+
+# -- without processes ---------------------------------------------------------------------------
+TORCHRUN = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "TORCHELASTIC_RUN_ID": "job7"}
+
+
+def test_torchrun_ranks_share_one_run_directory_and_rank_0_its_log():
+    assert dist.launch_overrides([], {"RANK": "0"}) == []  # not under torchrun: Hydra's own directory
+    assert dist.launch_overrides([], {**TORCHRUN, "RANK": "0"}) == ["hydra.run.dir=outputs/torchrun/job7"]
+    assert dist.launch_overrides([], {**TORCHRUN, "RANK": "1"}) == [
+        "hydra.run.dir=outputs/torchrun/job7", "hydra.job.name=run_rank1", "hydra.output_subdir=null",
+        "hydra.job_logging.root.level=WARNING"]
+    assert dist.launch_overrides(["hydra.run.dir=/data/run"], {**TORCHRUN, "RANK": "0"}) == []
+    static = {**TORCHRUN, "RANK": "0", "TORCHELASTIC_RUN_ID": "none"}  # --master_port: torchrun has no run id
+    named = dist.launch_overrides([], static)
+    assert named == dist.launch_overrides([], {**static, "RANK": "1"})[:1]  # the same for every rank and restart
+    assert str(os.getppid()) in named[0]
+    with pytest.raises(SystemExit, match="rdzv_id"):
+        dist.launch_overrides([], {**static, "WORLD_SIZE": "16"})
+
+
+def test_deep_conv_buckets_split_by_size_and_other_kinds_stay_whole():
+    from trainer.planner import unit_sizes
+    from trainer.regions import Kind
+    assert unit_sizes(Kind.DEEP_CONV, [10, 10, 10, 10], 2) == [2, 2]
+    assert unit_sizes(Kind.DEEP_CONV, [30, 10, 10, 10], 2) == [1, 3]
+    assert unit_sizes(Kind.DEEP_CONV, [10, 10], 4) == [1, 1]
+    assert unit_sizes(Kind.FIRST_CONV, [10, 10], 4) == [2]
+    assert unit_sizes(Kind.FC_BIAS, [], 4) == []
+
+
+@pytest.mark.parametrize("config_", [dict(optimizer="adamw", amp=True, ema=True), dict(optimizer="lars")])
+def test_a_sharded_plan_holds_a_share_of_each_moment_region(config_):
+    from tests.helpers import small_cnn
+    from trainer.plan import PlanConfig
+    from trainer.planner import build_plans
+    from trainer.variants import derive_variants
+    plans = [build_plans(small_cnn(4, width=24), PlanConfig(shards=shards, deep_conv_buckets=2, **config_),
+                         derive_variants(64, 16, 8, 8, 8), 5).main for shards in (1, 3)]
+    replicated, sharded = plans
+    for r in (r for r in R if r.name.startswith(("M_", "V_")) and replicated.config.enabled(r)):
+        w = FAMILY["W"][next(k for k, x in FAMILY[r.name[0]].items() if x == r)]
+        shares = [t.numel for t in sharded.regions[r]]
+        assert sharded.config.sharded(r) and sum(shares) * 3 == sharded.region_bytes(w) // 4
+        assert all(n % 128 == 0 for n in shares)
+    held = sum(sharded.region_bytes(r) for r in R if r.name.startswith(("M_", "V_")))
+    assert held < 0.5 * sum(replicated.region_bytes(r) for r in R if r.name.startswith(("M_", "V_")))
+    assert sharded.sharding()["bytes_per_gpu"] == held and "sharding" not in replicated.to_json()
+    sharded.regions[R.M_DEEP_CONV][0].shape = (128,)  # a share that no longer tiles its range
+
+    with pytest.raises(PlanError, match="sharding: M_DEEP_CONV"):
+        sharded.validate()
+
+
+# -- two ranks in this test --------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, port: int, out: Path, job: str, args: tuple):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.save(globals()[job](rank, *args), out / f"rank{rank}.pt")
+
+
+def on_two_ranks(tmp_path: Path, job: str, *args) -> list:
+    """job(rank, *args) in two processes, which dist.start joins into one gloo group."""
+    mp.spawn(_rank_main, (free_port(), tmp_path, job, args), nprocs=WORLD)
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def engine(cfg, d):
+    from trainer.setup import assemble
+    torch.manual_seed(cfg.trainer.seed)  # as the Trainer does: the same initial weights everywhere
+    e = assemble(cfg, torch.device("cpu"), d.world, grad_sync_factory=d.grad_sync_factory)
+
+    d.prepare(e)
+    return e
+
+
+def global_batches(cfg, steps: int, seed: int = 0) -> list:
+    g, r = torch.Generator().manual_seed(seed), cfg.data.resolution
+    return [(torch.randn(WORLD * BATCH, 3, r, r, generator=g), torch.randint(0, 10, (WORLD * BATCH,), generator=g))
+            for _ in range(steps)]
+
+
+def train(e, batches, rank: int = 0, world: int = 1) -> list[float]:
+    """Steps on this rank's part of each global batch; every step's loss."""
+    t, a, losses = e.plans.tensors["train_base"].input, e.arena, []
+    for x, y in batches:
+        part = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
+        a[t.data["A"]].copy_(x[part])
+        a[t.label["A"]].copy_(y[part])
+        a[t.mask["A"]].fill_(1)
+        e.executor.run("train_base", "A")
+        losses.append(e.ops.s[B.LOSS].item())
+    return losses
+
+
+def by_parameter(e, d, family: str) -> dict:
+    """Every parameter's values in a family (W, M or V), flat; a sharded family's shares
+    are gathered from all ranks first."""
+    plan, params = e.arena.plan, e.plans.tensors["train_base"].params
+    if family == "W" or plan.config.shards == 1:
+        return {n: e.arena.view(getattr(p, family.lower()), padded=True).reshape(-1).clone() for n, p in params.items()}
+    shares, whole, seen = d.gather_per_rank(e.arena), torch.zeros(e.ops.w_all.numel()), Counter()
+    for u in units(plan):
+        region = FAMILY[family][u.kind]
+        t = plan.regions[region][seen[region]]
+        seen[region] += 1
+        nbytes, at = plan.region_bytes(region), t.offset - plan.base[region]
+        for r in range(WORLD):
+            share = shares[region.name][r * nbytes + at:][:t.numel * 4].view(torch.float32)
+            whole[u.start + r * t.numel:][:t.numel] = share
+    w0 = plan.base[R.W_BN_BIAS]
+    return {n: whole[(p.w.offset - w0) // 4:][:p.w.numel].clone() for n, p in params.items()}
+
+
+def assert_same(a: dict, b: dict, rtol: float):
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+# -- two ranks step like one rank at the global batch ----------------------------------------
+def _two_ranks(rank: int, overrides: list, steps: int) -> dict:
+    cfg = config(*TINY, *overrides)
+    d = dist.start(cfg)
+    e = engine(cfg, d)
+    losses = train(e, global_batches(cfg, steps), rank, WORLD)
+    d.average_bn(e.ops)
+    return {"losses": losses, "W": by_parameter(e, d, "W"), "b_next": e.ops.b_next.clone(),
+            "b_prev": e.ops.b_prev.clone()}
+
+
+@pytest.mark.parametrize("overrides, steps, tolerance", [
+    (["optimizer=nesterov"], 4, 1e-4),
+    # Half gradients of two half batches round unlike those of one batch: one step, to that rounding.
+    (["optimizer=momentum", "amp=true", "dist.deep_conv_buckets=2"], 1, 2e-2)], ids=["fp32", "amp"])
+def test_two_ranks_step_like_one_rank_at_the_global_batch(tmp_path, overrides, steps, tolerance):
+    ranks = on_two_ranks(tmp_path, "_two_ranks", overrides, steps)
+    cfg = config(*TINY, *overrides, f"trainer.batch_size={WORLD * BATCH}")
+    alone = engine(cfg, dist.Dist())
+    ghost_batch_norm(alone.model, WORLD)
+    start = by_parameter(alone, dist.Dist(), "W")
+    losses = train(alone, global_batches(cfg, steps))
+    trained = by_parameter(alone, dist.Dist(), "W")
+    for r in ranks:
+        torch.testing.assert_close(r["losses"], losses, rtol=tolerance / 10, atol=0)
+        for name, w in trained.items():  # off by a small fraction of what training moved
+            moved = (w - start[name]).abs().max()
+            assert moved > 0 and (r["W"][name] - w).abs().max() <= tolerance * moved, name
+    # BN_STATS_ALLREDUCE: evaluation reads the mean of the ranks' own statistics
+    assert not torch.equal(ranks[0]["b_next"], ranks[1]["b_next"])
+    for r in ranks:
+        torch.testing.assert_close(r["b_prev"], (ranks[0]["b_next"] + ranks[1]["b_next"]) / 2)
+
+
+# -- sharded optimizer state ----------------------------------------------------------------------
+SHARDED_CASES = {"momentum": ["optimizer=momentum"], "adamw": ["optimizer=adamw"], "lars": ["optimizer=lars"],
+                 "lars_amp": ["optimizer=lars", "amp=true"]}
+
+
+def _sharded_and_replicated(rank: int, folder: Path) -> dict:
+    from trainer import checkpoint
+    d = dist.start(config(*TINY))
+    out = {}
+    for case, overrides in SHARDED_CASES.items():
+        families = ["W", "M"] + (["V"] if case == "adamw" else [])
+        engines = {}
+        for sharded in (False, True):
+            cfg = config(*TINY, *overrides, f"dist.shard_optimizer={sharded}")
+            e = engines[sharded] = engine(cfg, d)
+            losses = train(e, global_batches(cfg, 3), rank, WORLD)
+            out[case, sharded] = {"losses": losses, **{f: by_parameter(e, d, f) for f in families},
+                                  "plan": e.plans.to_json()}
+        if case == "adamw":  # rank 0 writes every rank's share and BN statistics; each resumes its own
+            path, e, meta = folder / "epoch_0001.pt", engines[True], checkpoint.identity(cfg)
+            per_rank = d.gather_per_rank(e.arena)
+            if rank == 0:
+                checkpoint.save(path, e.arena, meta, per_rank)
+            torch.distributed.barrier()
+            resumed = engine(cfg, d)
+            checkpoint.load(path, resumed.arena, meta, rank)
+            more = global_batches(cfg, 2, seed=1)
+            out["resumed"] = [(train(x, more, rank, WORLD),
+                               {r: checkpoint._region_bytes(x.arena, r).clone() for r in checkpoint.STATE_REGIONS})
+                              for x in (e, resumed)]
+            with pytest.raises(CheckpointError) as refused:
+                checkpoint.load(path, engines[False].arena, meta, rank)
+            out["refused"] = str(refused.value)
+    return out
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory) -> list:
+    folder = tmp_path_factory.mktemp("sharded")
+    return on_two_ranks(folder, "_sharded_and_replicated", folder)
+
+
+@pytest.mark.parametrize("case", list(SHARDED_CASES))
+def test_sharded_optimizer_state_equals_replicated(sharded_runs, case):
+    rtol = 1e-2 if "amp" in case else 1e-5
+    for run in sharded_runs:
+        replicated, sharded = run[case, False], run[case, True]
+        torch.testing.assert_close(sharded["losses"], replicated["losses"], rtol=rtol, atol=0)
+        for family in ("W", "M", "V"):
+            if family in replicated:
+                assert_same(sharded[family], replicated[family], rtol)
+                assert any(x.abs().max() > 0 for x in sharded[family].values()), family
+
+
+def test_sharded_state_takes_a_share_of_the_memory(sharded_runs):
+    run = sharded_runs[0]
+    replicated, sharded = run["adamw", False]["plan"], run["adamw", True]["plan"]
+    assert "sharding" not in replicated and sharded["config"]["shards"] == WORLD
+    bytes_of = lambda plan, prefix: sum(r["bytes"] for r in plan["regions"] if r["name"].startswith(prefix))
+    assert {r["name"] for r in sharded["regions"] if r["name"].startswith(("M_", "V_")) and r["bytes"]} \
+        == set(sharded["sharding"]["sharded_regions"])
+
+    for prefix in ("M_", "V_"):  # each rank holds half, plus a slot's spare per share
+        assert bytes_of(sharded, prefix) < 0.6 * bytes_of(replicated, prefix)
+    s = sharded["sharding"]
+    assert s["saved_bytes_per_gpu"] == s["replicated_bytes"] - s["bytes_per_gpu"] > 0.4 * s["replicated_bytes"]
+
+
+def test_sharded_checkpoint_resumes_every_rank_share(sharded_runs):
+    for run in sharded_runs:
+        (losses, state), (resumed_losses, resumed_state) = run["resumed"]
+        assert resumed_losses == losses
+        for region, data in state.items():
+            assert torch.equal(resumed_state[region], data), region
+        assert "sharded over 2 ranks, this run's over 1" in run["refused"]
+
+
+
+# -- refusals --------------------------------------------------------------------------------------
+def _mismatched_plans(rank: int) -> str:
+    cfg = config(*TINY, *(["model.widths=[16,32,48]"] if rank == 1 else []))
+    try:
+        engine(cfg, dist.start(cfg))
+    except PlanError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_a_rank_with_another_plan_is_refused_by_name(tmp_path):
+    for message in on_two_ranks(tmp_path, "_mismatched_plans"):
+        assert "plan fingerprint of rank 0 is" in message and "rank 1 has" in message, message
+
+
+# -- end to end: torchrun, run.py, one run directory, a killed worker ---------------------------------
+E2E = ["data.train_size=128", "data.val_size=32", "trainer.epochs=2", "trainer.log_every=1"]
+PER_EPOCH = 128 // (WORLD * BATCH)
+
+
+def launch(run_dir: Path, *args, ranks: int = WORLD, torchrun: bool = True,
+           env: dict | None = None) -> subprocess.CompletedProcess:
+    """This file as the trainer script: `ranks` processes under torchrun, or one on its own."""
+    head = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--max-restarts=1"] \
+        if torchrun else [sys.executable]
+    out = subprocess.run([*head, __file__, f"hydra.run.dir={run_dir}", *E2E, *args], capture_output=True,
+                         text=True, timeout=300, cwd=run_dir.parent, env={**os.environ, **(env or {})})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+def records(run_dir: Path) -> tuple[dict, list]:
+    """The loss of every step (a repeated step: its last run) and the epoch records."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "step" in r}, [r for r in rows if "train_loss" in r]
+
+
+@pytest.fixture(scope="module")
+def e2e(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("e2e")
+    launch(root / "one", "device=cpu", f"trainer.batch_size={WORLD * BATCH}", torchrun=False,
+           env={"TEST_GHOST_BN": str(WORLD)})
+    launch(root / "two", "device=cpu", f"trainer.batch_size={BATCH}")
+    launch(root / "killed", "device=cpu", f"trainer.batch_size={BATCH}", "dist.shard_optimizer=true",
+           env={"TEST_KILL_AT_STEP": str(PER_EPOCH + PER_EPOCH // 2)})
+    return root
+
+
+def test_torchrun_two_ranks_train_like_one_rank(e2e):
+    one, two = e2e / "one", e2e / "two"
+    (one_steps, one_epochs), (two_steps, two_epochs) = records(one), records(two)
+    assert list(two_steps) == list(range(1, 2 * PER_EPOCH + 1)) == list(one_steps)
+    torch.testing.assert_close(list(two_steps.values()), list(one_steps.values()), rtol=1e-4, atol=0)
+    torch.testing.assert_close([e["train_loss"] for e in two_epochs], [e["train_loss"] for e in one_epochs],
+                               rtol=1e-4, atol=0)
+    summary = json.loads((two / "summary.json").read_text())
+    assert summary["world_size"] == WORLD and summary["steps"] == 2 * PER_EPOCH
+    # one directory: rank 0's records, rank 1's log of warnings and errors
+    assert {p.name for p in two.iterdir()} >= {"run.log", "run_rank1.log", "metrics.jsonl", "plan.json",
+                                               "summary.json", "checkpoints", ".hydra"}
+    assert "epoch 2" in (two / "run.log").read_text() and (two / "run_rank1.log").read_text() == ""
+
+
+def test_a_killed_worker_is_restarted_and_the_job_resumes(e2e):
+    killed = e2e / "killed"
+    log = (killed / "run.log").read_text()
+    assert "resumed from" in log and "epoch_0001.pt" in log
+    assert json.loads((killed / "summary.json").read_text())["steps"] == 2 * PER_EPOCH
+    (steps, epochs), (straight, straight_epochs) = records(killed), records(e2e / "two")
+    assert list(steps) == list(straight)
+    # The sharded job, killed and resumed, ends where the uninterrupted replicated one did.
+    torch.testing.assert_close(list(steps.values()), list(straight.values()), rtol=1e-4, atol=0)
+    torch.testing.assert_close(epochs[-1]["val_loss"], straight_epochs[-1]["val_loss"], rtol=1e-4, atol=0)
+    assert sorted(p.name for p in (killed / "checkpoints").iterdir()) == ["epoch_0001.pt", "epoch_0002.pt"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("amp", ["amp=false", "amp=true"])
+@pytest.mark.parametrize("sharded", [False, True], ids=["replicated", "sharded"])
+def test_nccl_inside_cuda_graphs_trains_like_one_process(tmp_path, amp, sharded):
+    """torchrun on up to two GPUs (one: NCCL with a single rank), collectives captured in the
+    step's graphs, against one process without torchrun at the global batch. (cuDNN picks
+    its algorithms per batch size, with TF32: the curves agree to that rounding.)"""
+    ranks = min(WORLD, torch.cuda.device_count())
+    if sharded and ranks < 2:
+        pytest.skip("sharded optimizer state needs two GPUs")
+    gpu = ["device=cuda", "graphs=true", amp]
+    launch(tmp_path / "one", *gpu, f"trainer.batch_size={ranks * BATCH}", torchrun=False,
+           env={"TEST_GHOST_BN": str(ranks)})
+    launch(tmp_path / "many", *gpu, f"trainer.batch_size={BATCH}", f"dist.shard_optimizer={sharded}", ranks=ranks)
+    (one, _), (many, _) = records(tmp_path / "one"), records(tmp_path / "many")
+    assert list(many) == list(one)
+    torch.testing.assert_close(list(many.values()), list(one.values()), rtol=2e-2, atol=0)
+    summary = json.loads((tmp_path / "many" / "summary.json").read_text())
+    assert summary["graphs"] and summary["world_size"] == ranks
+
+
+def _die_at_training_step(k: int):
+
+    """Rank 1 kills itself, once, as its k-th training step begins."""
+    from trainer.executor import Executor
+    run_step, done = Executor.run, Counter()
+
+    def run_or_die(self, variant: str, buffer: str):
+        done["train"] += variant.startswith("train")
+        if done["train"] == k:
+            os.kill(os.getpid(), signal.SIGKILL)
+        run_step(self, variant, buffer)
+    Executor.run = run_or_die
+
+
+if __name__ == "__main__":  # a trainer process of the end-to-end tests, with their test hooks
+    import runpy
+
+    import trainer.setup
+    if os.environ.get("TEST_GHOST_BN"):
+        make_model = trainer.setup.make_model
+        trainer.setup.make_model = lambda cfg: ghost_batch_norm(make_model(cfg), int(os.environ["TEST_GHOST_BN"]))
+    if os.environ.get("TEST_KILL_AT_STEP") and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" \
+            and os.environ.get("RANK") == "1":
+        _die_at_training_step(int(os.environ["TEST_KILL_AT_STEP"]))
+    sys.argv[0] = str(ROOT / "run.py")
+    runpy.run_path(sys.argv[0], run_name="__main__")
+

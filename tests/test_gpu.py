@@ -1,0 +1,82 @@
+"""GPU behaviour of the whole step (run on the GPU machine: pytest -m gpu). Skipped without CUDA."""
+import copy
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from trainer.config import register, validate
+from trainer.dist import Dist
+from trainer.plan import Baseline as B
+from trainer.regions import Region as R
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+CONF = str(__import__("pathlib").Path(__file__).resolve().parent.parent / "conf")
+
+
+def config(*overrides):
+    register()
+    with initialize_config_dir(CONF, version_base="1.3"):
+        return validate(OmegaConf.to_object(compose("train", overrides=list(overrides))))
+
+
+def trainer_for(tmp_path, *overrides):
+    from trainer.loop import Trainer
+    return Trainer(config("data.train_size=1024", "data.val_size=256", *overrides), tmp_path, Dist())
+
+
+@pytest.mark.parametrize("amp", ["amp=false", "amp=true"])
+def test_graph_replay_trains_like_eager(tmp_path, amp):
+    """The captured graphs compute what the eager program computes (cuDNN may pick other
+    algorithms between the two, so the comparison is to float32 rounding of a short run)."""
+    results = []
+    for graphs in ("graphs=true", "graphs=false"):
+        t = trainer_for(tmp_path / graphs, amp, graphs, "trainer.epochs=1", "trainer.seed=3")
+        assert t.executor.use_graphs == (graphs == "graphs=true")
+        t.fit()
+        results.append(t.arena.flat(R.W_BN_BIAS, R.W_DEEP_CONV).cpu())
+    torch.testing.assert_close(results[0], results[1], rtol=2e-2 if amp == "amp=true" else 1e-3, atol=1e-3)
+
+
+def test_epoch_allocates_nothing_and_never_syncs(tmp_path):
+    t = trainer_for(tmp_path, "amp=true", "ema=true", "trainer.epochs=3", "trainer.log_every=4")
+    t.images, t.train_seconds, t.first_step_s = 0, 0.0, 0.0
+    t.train_epoch(0)  # first epoch: DALI and allocator warm up
+    torch.cuda.synchronize()
+    stats = torch.cuda.memory_stats()
+    before = (stats["allocated_bytes.all.peak"], torch.cuda.memory_reserved(), stats["num_alloc_retries"])
+    allocations = stats["allocation.all.allocated"]
+    steps = t.train_steps(1)
+    t.train_source.start_epoch(1, steps[0].resolution)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        t.run_steps(steps, t.train_source)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    stats = torch.cuda.memory_stats()
+    assert (stats["allocated_bytes.all.peak"], torch.cuda.memory_reserved(), stats["num_alloc_retries"]) == before
+    assert stats["allocation.all.allocated"] - allocations < len(steps), "replays allocate nothing per step"
+
+
+def test_amp_overflow_is_skipped_inside_the_graph(tmp_path):
+    t = trainer_for(tmp_path, "amp=true", "trainer.epochs=1")
+    scale = t.ops.s[B.LOSS_SCALE]
+    scale.fill_(2.0 ** 40)  # the scaled gradients overflow fp16 on the next step
+    weights = t.arena.flat(R.W_BN_BIAS, R.W_DEEP_CONV).clone()
+    steps = t.train_steps(0)[:1]
+    t.train_source.start_epoch(0, steps[0].resolution)
+    t.run_steps(steps, t.train_source)
+    torch.cuda.synchronize()
+    assert t.ops.s[B.OVERFLOW].item() == 1 and scale.item() == 2.0 ** 39
+    assert torch.equal(t.arena.flat(R.W_BN_BIAS, R.W_DEEP_CONV), weights)
+
+
+def test_triton_and_torch_kernels_train_alike(tmp_path):
+    results = []
+    for kernels in ("kernels=triton", "kernels=torch"):
+        t = trainer_for(tmp_path / kernels, kernels, "optimizer=lars", "trainer.epochs=1", "schedule.warmup_epochs=0.5")
+        t.fit()
+        results.append(t.arena.flat(R.W_BN_BIAS, R.W_DEEP_CONV).cpu())
+    torch.testing.assert_close(results[0], results[1], rtol=1e-3, atol=1e-4)

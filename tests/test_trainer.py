@@ -1,0 +1,147 @@
+"""The trainer end to end on the CPU: the default run, resume, export, multirun, config
+groups and the non-finite-loss paths."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from trainer import checkpoint
+from trainer.config import register, validate
+from trainer.dist import Dist
+from trainer.errors import CheckpointError
+from trainer.plan import Baseline as B
+
+ROOT = Path(__file__).resolve().parent.parent
+CONF = ROOT / "conf"
+TINY = ["data.train_size=512", "data.val_size=128", "trainer.batch_size=32"]
+
+
+def config(*overrides):
+    register()
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        return validate(OmegaConf.to_object(compose("train", overrides=list(overrides))))
+
+
+def run(tmp_path: Path, *args, multirun=False) -> subprocess.CompletedProcess:
+    where = f"hydra.sweep.dir={tmp_path}" if multirun else f"hydra.run.dir={tmp_path}"
+    cmd = [sys.executable, str(ROOT / "run.py"), *(["-m"] if multirun else []), where, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path.parent, timeout=300,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def test_default_run_learns_and_writes_its_records(tmp_path):
+    """`python run.py` with no arguments: the embedded data set, at least 90% top-1."""
+    out = run(tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["val_top1"] >= 0.90, summary
+    for key in ("val_top5", "val_loss", "train_loss", "steps", "epochs", "images_per_s", "wall_s",
+                "time_to_first_step_s", "device", "world_size"):
+        assert summary[key] is not None, key
+    assert summary["epochs"] == 4 and summary["device"] == "cpu" and summary["world_size"] == 1
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "step" in r]
+    assert steps and all({"step", "epoch", "variant", "loss", "top1", "top5", "lr", "images_per_s"} <= set(r)
+                         for r in steps)
+    assert [r["step"] for r in steps] == sorted(r["step"] for r in steps)
+    assert len([r for r in rows if "val_top1" in r]) == 4
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert len(plan["regions"]) == 68 and plan["fingerprint"]
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "run.log").exists() and list((tmp_path / "checkpoints").glob("epoch_*.pt"))
+
+
+def train(tmp_path, *overrides):
+    from trainer.loop import Trainer
+    trainer = Trainer(config(*TINY, *overrides), tmp_path, Dist())
+    trainer.fit()
+    return trainer
+
+
+def test_resume_equals_uninterrupted_bit_for_bit(tmp_path):
+    common = ["trainer.epochs=4", "optimizer=adamw", "ema=true", "trainer.label_smoothing=0.1"]
+    straight = train(tmp_path / "straight", *common)
+    train(tmp_path / "first", *common, "trainer.stop_after_epoch=2")
+    resumed = train(tmp_path / "second", *common, f"trainer.resume={tmp_path / 'first'}")
+    for r in checkpoint.STATE_REGIONS:  # every persistent byte
+        assert torch.equal(checkpoint._region_bytes(resumed.arena, r), checkpoint._region_bytes(straight.arena, r)), r
+    assert resumed.ops.s[B.STEP].item() == straight.ops.s[B.STEP].item() == 64
+    assert resumed.history == straight.history
+
+
+def test_checkpoint_from_another_model_is_refused(tmp_path):
+    train(tmp_path / "a", "trainer.epochs=1")
+    with pytest.raises(CheckpointError, match="model: checkpoint 'fastnet', this run 'cifar_resnet'"):
+        train(tmp_path / "b", "trainer.epochs=1", "model=cifar_resnet20", f"trainer.resume={tmp_path / 'a'}")
+    with pytest.raises(CheckpointError, match="optimizer"):
+        train(tmp_path / "c", "trainer.epochs=1", "optimizer=lars", f"trainer.resume={tmp_path / 'a'}")
+
+
+def test_truncated_checkpoint_is_refused_with_its_path(tmp_path):
+    train(tmp_path / "a", "trainer.epochs=1")
+    path = checkpoint.latest(tmp_path / "a")
+    path.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match="truncated"):
+        train(tmp_path / "b", "trainer.epochs=1", f"trainer.resume={path}")
+
+
+def test_export_loads_into_torchvision(tmp_path):
+    import torchvision
+    trained = train(tmp_path / "run", "model=resnet18", "trainer.epochs=1", "ema=true")
+    out = run(tmp_path / "export", "mode=export", "model=resnet18", "ema=true", *TINY,
+              f"checkpoint={tmp_path / 'run'}")
+    assert out.returncode == 0, out.stdout + out.stderr
+    state = torch.load(tmp_path / "export" / "model_state_dict.pt", weights_only=True)
+    reference = torchvision.models.resnet18(num_classes=10)
+    reference.load_state_dict(state, strict=True)
+    reference.eval()
+    x = torch.randn(4, 3, 16, 16)
+    trained.ops.sema_switch()  # evaluation's view: EMA weights and B_PREV statistics
+    trained.ops.bn_stats_to_prev()
+    from trainer.binding import use_statistics
+    model = trained.model.eval()
+    use_statistics(model, trained.plans.tensors["train_base"], trained.arena, "prev")
+    with torch.no_grad():
+        torch.testing.assert_close(reference(x), model(x.to(memory_format=torch.channels_last)))
+
+
+def test_multirun_sweeps_two_jobs(tmp_path):
+    out = run(tmp_path, "optimizer=sgd,lars", "trainer.epochs=1", *TINY, multirun=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    summaries = sorted(tmp_path.glob("*/summary.json"))
+    assert len(summaries) == 2
+    assert all(json.loads(p.read_text())["steps"] == 16 for p in summaries)
+
+
+@pytest.mark.parametrize("group", sorted(p.name for p in CONF.iterdir() if p.is_dir()))
+def test_every_config_group_option_composes(group):
+    for option in sorted(p.stem for p in (CONF / group).glob("*.yaml")):
+        override = f"+{group}={option}" if group == "experiment" else f"{group}={option}"
+        cfg = config(override, "data.root=/data")
+        assert cfg.mode in ("train", "plan", "eval", "export", "bench")
+
+
+def test_nan_loss_without_amp_stops_and_keeps_the_last_checkpoint(tmp_path):
+    # the learning rate becomes infinite after the first epoch: the weights and the loss blow up
+    explode = ["schedule=step", "schedule.milestones=[1]", "schedule.gamma=inf", "trainer.epochs=3"]
+    out = run(tmp_path, *TINY, *explode)
+    assert out.returncode != 0
+    assert "NaN or infinite" in out.stdout + out.stderr and "Traceback" not in out.stderr
+    saved = checkpoint.read(tmp_path / "checkpoints")
+    assert saved["meta"]["epoch"] == 1
+    for name, data in saved["regions"].items():
+        if name.startswith("W_"):
+            assert torch.isfinite(data.view(torch.float32)).all(), name
+
+
+def test_nan_loss_with_amp_is_a_skipped_step(tmp_path):
+    explode = ["schedule=step", "schedule.milestones=[1]", "schedule.gamma=inf", "trainer.epochs=2"]
+    out = run(tmp_path, *TINY, *explode, "amp=true")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 32

@@ -1,0 +1,116 @@
+"""CIFAR-10, decoded once and kept on the device.
+
+data.root may be the JPEG tree (train/<class>/*.jpg, test/<class>/*.jpg), a .tgz/.tar
+archive of it (read in place: no extraction, no cache to go stale), or the usual python
+batches (cifar-10-batches-py/, as a folder or inside its archive). A data.train_size /
+data.val_size below the full split takes the same random subset in every run.
+"""
+import pickle
+import tarfile
+from pathlib import Path, PurePosixPath
+
+import numpy as np
+import torch
+
+from trainer.config import DataConfig
+from trainer.data.jpeg_files import IMAGE_SUFFIXES, check_bytes, find_split, list_split
+from trainer.data.resident import ResidentSource
+from trainer.data.source import Shard, subset
+from trainer.errors import DataError
+
+CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR_STD = (0.2470, 0.2435, 0.2616)
+SPLIT_DIRS = {"train": ("train",), "val": ("test", "val")}
+BATCH_FILES = {"train": [f"data_batch_{i}" for i in range(1, 6)], "val": ["test_batch"]}
+
+
+def read_archive(path: Path) -> dict[str, bytes]:
+    """The JPEGs and python batches in an archive, by member path (one sequential pass)."""
+    try:
+        with tarfile.open(path) as tar:
+            return {m.name: tar.extractfile(m).read() for m in tar
+                    if m.isfile() and (m.name.lower().endswith(IMAGE_SUFFIXES) or "_batch" in m.name)}
+    except (tarfile.TarError, OSError, EOFError) as e:
+        raise DataError(f"cannot read the archive {path} ({e}): data.root must be a .tgz/.tar of the "
+                        f"CIFAR-10 JPEG tree or of cifar-10-batches-py, or a folder of either") from None
+
+
+def python_batches(root: Path, members: dict[str, bytes] | None) -> dict[str, bytes] | None:
+    """The python batch files by name, if that is what data.root holds."""
+    if members is not None:
+        found = {PurePosixPath(name).name: data for name, data in members.items() if "_batch" in name}
+    else:
+        folder = next((f for f in (root, root / "cifar-10-batches-py") if (f / "data_batch_1").is_file()), None)
+        found = {p.name: p.read_bytes() for p in folder.glob("*_batch*")} if folder else {}
+    return found if "data_batch_1" in found else None
+
+
+def _keep(have: int, want: int, split: str, root: Path) -> np.ndarray:
+    if want > have:
+        raise DataError(f"{root} holds {have} {split} images, fewer than the {want} asked for; "
+                        f"set data.{split}_size={have} or less")
+    return subset(have, want, list(SPLIT_DIRS).index(split))
+
+
+def from_batches(batches: dict[str, bytes], split: str, n: int, root: Path) -> tuple[np.ndarray, np.ndarray]:
+    images, labels = [], []
+    for name in BATCH_FILES[split]:
+        if name not in batches:
+            raise DataError(f"missing {name} in {root}: CIFAR-10's python batches are data_batch_1 .. "
+                            f"data_batch_5 and test_batch")
+        batch = pickle.loads(batches[name], encoding="bytes")
+        images.append(np.asarray(batch[b"data"], np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
+        labels.append(np.asarray(batch[b"labels"], np.int32))
+    keep = _keep(sum(map(len, labels)), n, split, root)
+    return np.concatenate(images)[keep], np.concatenate(labels)[keep]
+
+
+def jpeg_list(root: Path, split: str, members: dict[str, bytes] | None):
+    """(names, labels, classes) of a split's JPEGs, in the tree or among the archive's members
+    (.../<split>/<class>/<file>); class k is the k-th class name in sorted order."""
+    if members is None:
+        return list_split(find_split(root, SPLIT_DIRS[split]))
+    names = sorted(n for n in members if n.lower().endswith(IMAGE_SUFFIXES)
+                   and len(PurePosixPath(n).parts) >= 3 and PurePosixPath(n).parts[-3] in SPLIT_DIRS[split])
+    if not names:
+        raise DataError(f"no {SPLIT_DIRS[split][0]}/<class>/*.jpg in the archive {root}: data.root must be "
+                        f"a .tgz of the CIFAR-10 JPEG tree or of cifar-10-batches-py")
+    classes = sorted({PurePosixPath(n).parts[-2] for n in names})
+    labels = np.searchsorted(classes, [PurePosixPath(n).parts[-2] for n in names]).astype(np.int32)
+    return names, labels, classes
+
+
+def from_jpegs(root: Path, split: str, n: int, members: dict[str, bytes] | None, d: DataConfig,
+               device: torch.device) -> tuple[torch.Tensor, np.ndarray]:
+    names, labels, classes = jpeg_list(root, split, members)
+    if len(classes) != d.num_classes:
+        raise DataError(f"{root} has {len(classes)} {split} classes ({', '.join(classes[:12])}) but "
+                        f"data.num_classes={d.num_classes}; set data.num_classes={len(classes)}")
+    keep = _keep(len(names), n, split, root)
+    names = [names[i] for i in keep]
+    encoded = [np.frombuffer(members[f] if members else Path(f).read_bytes(), np.uint8) for f in names]
+    shown = [f"{root}:{f}" for f in names] if members else names
+    for name, data in zip(shown, encoded):
+        check_bytes(name, data)
+    from trainer.data.dali import decode_all  # DALI only where JPEGs are decoded
+    return decode_all(shown, encoded, device, d.threads), labels[keep]
+
+
+def sources(d: DataConfig, train: Shard, val: Shard, seed: int, device: torch.device,
+            half: torch.dtype | None) -> tuple[ResidentSource, ResidentSource]:
+    root = Path(d.root)
+    if not root.exists():
+        raise DataError(f"missing data.root {root}: point it at the CIFAR-10 JPEG tree, its .tgz, "
+                        f"or cifar-10-batches-py")
+    members = read_archive(root) if root.is_file() else None
+    batches = python_batches(root, members)
+    out = []
+    for split, shard in (("train", train), ("val", val)):
+        if batches is not None:
+            images, labels = from_batches(batches, split, shard.total, root)
+            images = torch.from_numpy(images).to(device)
+        else:
+            images, labels = from_jpegs(root, split, shard.total, members, d, device)
+        out.append(ResidentSource(images, torch.from_numpy(labels).to(device), shard, d.num_classes,
+                                  CIFAR_MEAN, CIFAR_STD, d, seed, augment=split == "train"))
+    return out[0], out[1]

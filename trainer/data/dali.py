@@ -1,0 +1,184 @@
+"""DALI pipelines fed by an external source: the host decides the order of examples (from
+the seed, per epoch, per rank); DALI decodes and augments them (on the GPU where there is
+one) and the result is copied straight into the arena's input buffer."""
+from collections import deque
+
+import numpy as np
+import torch
+from nvidia.dali import fn, types
+from nvidia.dali.pipeline import Pipeline
+from nvidia.dali.plugin.pytorch import feed_ndarray
+
+from trainer.config import DataConfig
+from trainer.data.jpeg_files import decode_error
+from trainer.data.source import DALI_SEED, EpochPlan, Shard, flips, on, rng
+from trainer.errors import DataError
+
+# Iterations DALI works on ahead of the loop: enough that fill() finds its batch ready.
+IN_FLIGHT = 3
+
+
+def gpu_id(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None  # CPU-only DALI: every operator runs on the host
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def new_pipeline(device: torch.device, threads: int, batch: int, seed: int) -> Pipeline:
+    # prefetch_queue_depth=1: we schedule iterations ahead ourselves (IN_FLIGHT), so DALI's
+    # own first-run prefetch, which wants that many batches fed at once, stays out of the way.
+    return Pipeline(batch_size=batch, num_threads=threads, device_id=gpu_id(device), seed=seed,
+                    prefetch_queue_depth=1, exec_dynamic=True)
+
+
+def decode_all(names: list[str], encoded: list[np.ndarray], device: torch.device, threads: int,
+               batch: int = 1024) -> torch.Tensor:
+    """Decode same-sized JPEGs once into one uint8 (N, H, W, 3) tensor on the device."""
+    pipe = new_pipeline(device, threads, batch, seed=0)
+    with pipe:
+        jpegs = fn.external_source(name="jpegs", dtype=types.UINT8)
+        pipe.set_outputs(fn.decoders.image(jpegs, device="mixed" if device.type == "cuda" else "cpu",
+                                           output_type=types.RGB))
+    out = None
+    for start in range(0, len(encoded), batch):
+        chunk, chunk_names = encoded[start:start + batch], names[start:start + batch]
+        pipe.feed_input("jpegs", chunk)
+        pipe.schedule_run()
+        try:
+            (images,) = pipe.outputs()
+        except RuntimeError as e:
+            raise decode_error(chunk_names, chunk, e) from e
+        if not images.is_dense_tensor():
+            shapes = {tuple(images[i].shape()) for i in range(len(chunk))}
+            raise DataError(f"images of different sizes {sorted(shapes)} among {chunk_names[0]} and the "
+                            f"{len(chunk) - 1} after it: this data set's images must all have one size")
+        images = images.as_tensor()
+        if out is None:
+            out = torch.empty((len(encoded), *images.shape()[1:]), dtype=torch.uint8, device=device)
+        feed_ndarray(images, out[start:start + len(chunk)])
+    return out
+
+
+class DaliSource:
+    """A Source whose batches come from a DALI pipeline, one pipeline per resolution.
+
+    Subclasses give the data: `labels` (int32 per example), `graph(resolution, augment)`
+    (the operators from the external source named "images" to HWC uint8 images of at
+    least resolution x resolution) and `inputs(examples, augment)` (what to feed for those
+    examples: "images" and whatever else their graph reads). Here: the order, the flips,
+    normalization to the arena's dtype and layout, and the copy into the arena.
+    """
+
+    labels: np.ndarray
+
+    def __init__(self, shard: Shard, num_classes: int, mean, std, d: DataConfig, seed: int,
+                 device: torch.device, half: torch.dtype | None, augment: bool):
+        self.shard, self.size, self.num_classes = shard, shard.size, num_classes
+        self.mean, self.std = [255 * m for m in mean], [255 * s for s in std]
+        self.d, self.seed, self.device, self.half, self.augment = d, seed, device, half, augment
+        self.gpu = device.type == "cuda"
+        self._pipes: dict[int, Pipeline] = {}
+        self._pipe: Pipeline | None = None
+        self._plan: EpochPlan | None = None
+        self._flips = np.zeros(0, bool)
+        self._in_flight: deque[np.ndarray] = deque()  # examples of the scheduled iterations
+        self._scheduled = 0
+
+    def graph(self, resolution: int, augment: bool):
+        raise NotImplementedError
+
+    def inputs(self, examples: np.ndarray, augment: bool) -> dict:
+        raise NotImplementedError
+
+    def decode_error(self, examples: np.ndarray, error: RuntimeError) -> Exception:
+        return error
+
+    def _build(self, resolution: int, augment: bool, dtype, pad: bool) -> Pipeline:
+        pipe = new_pipeline(self.device, self.d.threads, max(self.shard.batches, default=1),
+                            int(rng(self.seed, DALI_SEED, self.shard.rank, resolution).integers(2**31)))
+        with pipe:
+            images = self.graph(resolution, augment)
+            mirror = fn.external_source(name="flip", dtype=types.INT32) if augment else 0
+            # crop: the center resolution x resolution (a no-op where the graph made it exact)
+            images = fn.crop_mirror_normalize(images, crop=(resolution, resolution), mirror=mirror,
+                                              mean=self.mean, std=self.std, dtype=dtype,
+                                              output_layout="HWC", pad_output=pad)
+            labels = fn.external_source(name="labels", dtype=types.INT32)
+            mask = fn.external_source(name="mask", dtype=types.INT8)
+            if self.gpu:
+                labels, mask = labels.gpu(), mask.gpu()
+            pipe.set_outputs(images, labels, mask)
+        pipe.build()
+        return pipe
+
+    def _feed(self, pipe: Pipeline, examples: np.ndarray, real: np.ndarray, augment: bool) -> None:
+        feeds = self.inputs(examples, augment)
+        feeds["labels"] = self.labels[examples]
+        feeds["mask"] = real.astype(np.int8)
+        if augment:
+            feeds["flip"] = self._flips[examples].astype(np.int32)
+        for name, value in feeds.items():
+            pipe.feed_input(name, value)
+        pipe.schedule_run()
+
+    def start_epoch(self, epoch: int, resolution: int) -> None:
+        # An epoch left unfinished (a fractional last epoch) leaves iterations in flight:
+        # collect them, or the next epoch would begin with the old epoch's batches.
+        while self._in_flight:
+            self._in_flight.popleft()
+            self._pipe.outputs()
+        if resolution not in self._pipes:
+            # fp16 goes straight into the arena (4 channels, the 4th zero); DALI has no
+            # bfloat16, so bf16 takes an fp16 detour through a staging tensor in fill().
+            dtype = types.FLOAT16 if self.half is not None else types.FLOAT
+            self._pipes[resolution] = self._build(resolution, self.augment, dtype, pad=self.half is not None)
+        self._pipe = self._pipes[resolution]
+        self._plan = self.shard.epoch(self.seed, epoch)
+        self._flips = flips(self.d.flip, self.shard.total, self.seed, epoch)
+        self._scheduled = 0
+        while self._scheduled < min(IN_FLIGHT, len(self._plan)):
+            self._schedule()
+
+    def _schedule(self) -> None:
+        span = self._plan.span(self._scheduled)
+        examples = self._plan.examples[span]
+        self._feed(self._pipe, examples, self._plan.real[span], self.augment)
+        self._in_flight.append(examples)
+        self._scheduled += 1
+
+    def fill(self, data: torch.Tensor, label: torch.Tensor, mask: torch.Tensor | None, stream) -> None:
+        self._plan.take(len(data))
+        if self._scheduled < len(self._plan):
+            self._schedule()
+        examples = self._in_flight.popleft()
+        stream = stream if self.gpu else None
+        try:
+            # bound to `stream`: the copies below wait for DALI on the device, not the host
+            images, labels, masks = self._pipe.outputs(cuda_stream=stream)
+        except RuntimeError as e:
+            raise self.decode_error(examples, e) from e
+        with on(stream, data):
+            if data.dtype == torch.bfloat16:
+                staging = torch.empty(data.shape, dtype=torch.float16, device=data.device)
+                feed_ndarray(images.as_tensor(), staging, cuda_stream=stream)
+                data.copy_(staging)
+            else:
+                feed_ndarray(images.as_tensor(), data, cuda_stream=stream)
+            feed_ndarray(labels.as_tensor(), label, cuda_stream=stream)
+            if mask is not None:
+                feed_ndarray(masks.as_tensor(), mask, cuda_stream=stream)
+
+    def peek(self, n: int) -> torch.Tensor:
+        pipe = self._build(self.d.resolution, False, types.FLOAT, pad=False)
+        examples = self.shard.order(self.seed, 0)[:n] % self.shard.total
+        out = torch.empty((len(examples), self.d.resolution, self.d.resolution, 3), device=self.device)
+        step = pipe.max_batch_size
+        for start in range(0, len(examples), step):
+            chunk = examples[start:start + step]
+            self._feed(pipe, chunk, np.ones(len(chunk), bool), augment=False)
+            try:
+                images = pipe.outputs()[0]
+            except RuntimeError as e:
+                raise self.decode_error(chunk, e) from e
+            feed_ndarray(images.as_tensor(), out[start:start + len(chunk)])
+        return out.permute(0, 3, 1, 2).contiguous()

@@ -1,0 +1,40 @@
+"""Generated images: oriented, colored stripes under noise (the synthetic data set's and the
+JPEG tree tool's). Orientation and color are what tell one class from another."""
+import numpy as np
+
+NOISE = 0.2  # pixel noise (std, 0..1 scale): fastnet_tiny's default run gets ~11% after one step, 97-99.7% after 4 epochs
+_JITTER = 0.15  # radians, of orientation and hue
+_AMPLITUDE = (0.28, 0.5)  # of the color swing, on a 0..1 scale
+_PERIOD = (4.0, 8.0)  # stripe period in pixels of a 16-pixel image; scales with the image
+ORIENTATIONS = np.array([0, np.pi / 2])  # horizontal and vertical stripes: each its own mirror image
+_RED_GREEN, _BLUE_YELLOW = np.array([1, -1, 0]) / np.sqrt(2), np.array([1, 1, -2]) / np.sqrt(6)
+
+
+def hues(n: int) -> np.ndarray:
+    """n stripe colors, as angles of color axes through gray in the chromatic plane, evenly
+    spread over half the circle: an axis and its negative are one color (the stripes'
+    phase shifted by half a period)."""
+    return np.arange(n) * np.pi / n
+
+
+def gratings(theta: np.ndarray, hue: np.ndarray, rng: np.random.Generator, height: int, width: int,
+             noise: float = NOISE) -> np.ndarray:
+    """uint8 (n, height, width, 3) images: sinusoidal stripes at angle theta[i] whose color
+    swings along hue[i] around a near-gray background, with jitter of both and Gaussian
+    pixel noise."""
+    n = len(theta)
+    theta = theta + rng.uniform(-_JITTER, _JITTER, n)
+    hue = hue + rng.uniform(-_JITTER, _JITTER, n)
+    axis = np.cos(hue)[:, None] * _RED_GREEN + np.sin(hue)[:, None] * _BLUE_YELLOW
+    period = rng.uniform(*_PERIOD, n) * min(height, width) / 16
+    phase = rng.uniform(0, 2 * np.pi, n)
+    y = np.arange(height, dtype=np.float32)[None, :, None]
+    x = np.arange(width, dtype=np.float32)[None, None, :]
+    k = (2 * np.pi / period).astype(np.float32)
+    wave = np.sin((k * np.cos(theta))[:, None, None] * x + (k * np.sin(theta))[:, None, None] * y
+                  + phase[:, None, None].astype(np.float32))
+    amplitude = (rng.uniform(*_AMPLITUDE, n)[:, None] * axis).astype(np.float32)
+    background = rng.uniform(0.4, 0.6, (n, 1, 1, 3)).astype(np.float32)  # near gray, a faint cast
+    img = background + wave[..., None] * amplitude[:, None, None, :]
+    img += rng.standard_normal(img.shape, dtype=np.float32) * noise
+    return (np.clip(img, 0, 1) * 255).round().astype(np.uint8)

@@ -1,0 +1,96 @@
+"""JPEG files in class folders: listing them with their labels, and cheap checks that turn a
+bad file into a message naming it before training starts."""
+import io
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from trainer.errors import DataError
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg")  # compared lower-case
+_TAIL = 64  # bytes searched for the end marker: some writers pad after it
+
+
+def find_split(root: Path, names: tuple[str, ...]) -> Path:
+    """The first of root/<name> that exists (CIFAR's tree calls its val split "test")."""
+    if not root.exists():
+        raise DataError(f"missing data.root {root}: point data.root at the folder that holds "
+                        f"{'/, '.join(names)}/ (class folders of JPEGs)")
+    for name in names:
+        if (root / name).is_dir():
+            return root / name
+    raise DataError(f"missing directory {root / names[0]}: data.root={root} must hold {names[0]}/<class>/*.jpg")
+
+
+def list_split(folder: Path) -> tuple[list[str], np.ndarray, list[str]]:
+    """(files, labels int32, class names): classes are the sorted folder names, so label k
+    is the k-th folder in alphabetical order (CIFAR-10's usual order)."""
+    if not folder.is_dir():
+        raise DataError(f"missing directory {folder}: expected class folders {folder}/<class>/*.jpg")
+    classes = sorted(e.name for e in os.scandir(folder) if e.is_dir())
+    if not classes:
+        raise DataError(f"no class folders in {folder}: expected {folder}/<class>/*.jpg")
+    files, labels = [], []
+    for k, name in enumerate(classes):
+        jpegs = sorted(e.name for e in os.scandir(folder / name)
+                       if e.is_file() and e.name.lower().endswith(IMAGE_SUFFIXES))
+        if not jpegs:
+            raise DataError(f"empty class folder {folder / name}: it holds no .jpg/.jpeg file; "
+                            f"add its images or remove the folder")
+        files += [str(folder / name / f) for f in jpegs]
+        labels += [k] * len(jpegs)
+    return files, np.array(labels, np.int32), classes
+
+
+def jpeg_problem(head: bytes, tail: bytes) -> str | None:
+    """What is wrong with a file that starts with `head` and ends with `tail`, if anything
+    a look at its ends can tell (a truncated file has lost its end marker)."""
+    if not head:
+        return "empty file (0 bytes)"
+    if head[:2] != b"\xff\xd8":
+        return "no JPEG start marker (FF D8): not a JPEG file"
+    if b"\xff\xd9" not in tail:
+        return "no JPEG end marker (FF D9): the file is truncated"
+    return None
+
+
+def _file_problem(path: str) -> str | None:
+    with open(path, "rb") as f:
+        head = f.read(2)
+        f.seek(max(os.fstat(f.fileno()).st_size - _TAIL, 0))
+        return jpeg_problem(head, f.read())
+
+
+def corrupt(name: str, why: str) -> DataError:
+    return DataError(f"corrupt JPEG {name}: {why}; replace the file or delete it")
+
+
+def check_files(files: list[str], threads: int) -> None:
+    """Look at both ends of every file, `threads` at a time (a few seconds per million files)."""
+    with ThreadPoolExecutor(threads) as pool:
+        for path, why in zip(files, pool.map(_file_problem, files, chunksize=256)):
+            if why:
+                raise corrupt(path, why)
+
+
+def check_bytes(name: str, data) -> None:
+    """The same look for a file already in memory (bytes or a uint8 array)."""
+    why = jpeg_problem(bytes(data[:2]), bytes(data[-_TAIL:]))
+    if why:
+        raise corrupt(name, why)
+
+
+def decode_error(names: list[str], encoded: list, error: Exception) -> DataError:
+    """DALI failed on a batch without saying which file: decode each with PIL to find it."""
+    from PIL import Image
+    for name, data in zip(names, encoded):
+        try:
+            with Image.open(io.BytesIO(bytes(data))) as image:
+                image.load()
+        except Exception as e:  # PIL raises many kinds; any of them names the culprit
+            return corrupt(name, f"cannot be decoded ({e})")
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    detail = str(error).split("encountered:")[-1].strip().splitlines()[0]  # past DALI's preamble
+    return DataError(f"DALI could not decode a batch of {shown} ({detail}); check these files")

@@ -1,0 +1,74 @@
+"""Folders of JPEGs per class (root/train/<class>/*.jpg, root/val/<class>/*.jpg) through DALI.
+
+Training: random-resized crop (decoded only inside the crop) and flip; evaluation: resize
+the short side to resolution * data.val_resize and take the center. Decoding runs on the
+GPU where there is one (device="mixed"). The host reads the files' bytes in the epoch's
+order and feeds them, `IN_FLIGHT` batches ahead of the loop.
+"""
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+from nvidia.dali import fn, types
+
+from trainer.config import DataConfig
+from trainer.data.dali import DaliSource
+from trainer.data.jpeg_files import check_files, decode_error, find_split, list_split
+from trainer.data.source import Shard, subset
+from trainer.errors import DataError
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+ASPECT_RATIOS = [3 / 4, 4 / 3]  # of the random-resized crop, as in the ResNet papers
+
+
+def read(path: str) -> np.ndarray:
+    return np.fromfile(path, dtype=np.uint8)
+
+
+class JpegFolderSource(DaliSource):
+    def __init__(self, files: list[str], labels: np.ndarray, shard: Shard, num_classes: int, d: DataConfig,
+                 seed: int, device: torch.device, half: torch.dtype | None, augment: bool):
+        super().__init__(shard, num_classes, IMAGENET_MEAN, IMAGENET_STD, d, seed, device, half, augment)
+        self.files, self.labels = files, labels
+        self._readers = ThreadPoolExecutor(d.threads)  # file reads release the GIL
+
+    def graph(self, resolution: int, augment: bool):
+        jpegs = fn.external_source(name="images", dtype=types.UINT8)
+        decoder = "mixed" if self.gpu else "cpu"
+        if augment:
+            images = fn.decoders.image_random_crop(jpegs, device=decoder, output_type=types.RGB,
+                                                   random_area=[self.d.min_crop_area, 1.0],
+                                                   random_aspect_ratio=ASPECT_RATIOS)
+            return fn.resize(images, size=[resolution, resolution])
+        images = fn.decoders.image(jpegs, device=decoder, output_type=types.RGB)
+        return fn.resize(images, resize_shorter=resolution * self.d.val_resize)
+
+    def inputs(self, examples: np.ndarray, augment: bool) -> dict:
+        return {"images": list(self._readers.map(read, [self.files[i] for i in examples]))}
+
+    def decode_error(self, examples: np.ndarray, error: RuntimeError) -> Exception:
+        names = [self.files[i] for i in examples]
+        return decode_error(names, [read(f) for f in names], error)
+
+
+def sources(d: DataConfig, train: Shard, val: Shard, seed: int, device: torch.device,
+            half: torch.dtype | None) -> tuple[JpegFolderSource, JpegFolderSource]:
+    root = Path(d.root)
+    (train_files, train_labels, classes), (val_files, val_labels, val_classes) = (
+        list_split(find_split(root, (split,))) for split in ("train", "val"))
+    if len(classes) != d.num_classes:
+        raise DataError(f"{root / 'train'} has {len(classes)} class folders but data.num_classes="
+                        f"{d.num_classes}; set data.num_classes={len(classes)}")
+    if val_classes != classes:
+        missing = sorted(set(classes) ^ set(val_classes))
+        raise DataError(f"{root / 'val'} and {root / 'train'} differ in their class folders "
+                        f"({', '.join(missing[:8])}): both need the same ones, or the labels would not match")
+    train_keep, val_keep = subset(len(train_files), train.total, 0), subset(len(val_files), val.total, 1)
+    train_files, train_labels = [train_files[i] for i in train_keep], train_labels[train_keep]
+    val_files, val_labels = [val_files[i] for i in val_keep], val_labels[val_keep]
+    if d.check_files:
+        check_files(train_files + val_files, d.threads)
+    return (JpegFolderSource(train_files, train_labels, train, len(classes), d, seed, device, half, augment=True),
+            JpegFolderSource(val_files, val_labels, val, len(classes), d, seed, device, half, augment=False))

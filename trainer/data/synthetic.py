@@ -1,0 +1,75 @@
+"""The embedded data set: oriented, colored gratings under noise, generated in memory.
+
+Ten classes: two orientations (horizontal, vertical stripes) x five colors of the stripes
+(gratings.py). Jitter and pixel noise make a small net need a few epochs, not one step,
+to tell them apart; both orientations are their own mirror images, so flips keep every
+label true. The data set is the same in every run (its own fixed seed); the run's seed
+only orders and augments it.
+"""
+import numpy as np
+import torch
+from nvidia.dali import fn, types
+
+from trainer.config import DataConfig
+from trainer.data.dali import DaliSource
+from trainer.data.gratings import ORIENTATIONS, gratings, hues
+from trainer.data.source import Shard, crop_offsets
+from trainer.errors import DataError
+
+NUM_CLASSES = 10
+DATASET_SEED = 20240611
+
+
+def generate(n: int, split: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """n balanced examples of one split (0 train, 1 val: independent draws)."""
+    labels = (np.arange(n) % NUM_CLASSES).astype(np.int32)
+    rng = np.random.default_rng([DATASET_SEED, split])
+    return gratings(ORIENTATIONS[labels % 2], hues(NUM_CLASSES // 2)[labels // 2], rng, size, size), labels
+
+
+class SyntheticSource(DaliSource):
+    """Images from memory through DALI: random crop with padding (the pad is the mean
+    color, zero after normalization) and flip for training."""
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, shard: Shard, mean, std, d: DataConfig,
+                 seed: int, device: torch.device, half: torch.dtype | None, augment: bool):
+        super().__init__(shard, NUM_CLASSES, mean, std, d, seed, device, half, augment)
+        self.images, self.labels = images, labels
+        self._offsets = np.zeros((0, 2), int)
+
+    def start_epoch(self, epoch: int, resolution: int) -> None:
+        if self.augment:
+            self._offsets = crop_offsets(self.shard.total, self.d.crop_padding, self.seed, epoch)
+        super().start_epoch(epoch, resolution)
+
+    def graph(self, resolution: int, augment: bool):
+        size = self.images.shape[1]
+        images = fn.external_source(name="images", dtype=types.UINT8, layout="HWC")
+        if self.gpu:
+            images = images.gpu()
+        if augment:
+            corner = fn.external_source(name="corner", dtype=types.INT32)
+            images = fn.slice(images, start=corner, shape=[size, size], axis_names="HW",
+                              out_of_bounds_policy="pad", fill_values=self.mean)
+        if resolution != size:
+            images = fn.resize(images, size=[resolution, resolution])
+        return images
+
+    def inputs(self, examples: np.ndarray, augment: bool) -> dict:
+        feeds = {"images": self.images[examples]}
+        if augment:  # the crop's corner in the unpadded image: -padding .. +padding
+            feeds["corner"] = (self._offsets[examples] - self.d.crop_padding).astype(np.int32)
+        return feeds
+
+
+def sources(d: DataConfig, train: Shard, val: Shard, seed: int, device: torch.device,
+            half: torch.dtype | None) -> tuple[SyntheticSource, SyntheticSource]:
+    if d.num_classes != NUM_CLASSES:
+        raise DataError(f"the synthetic data set has {NUM_CLASSES} classes but data.num_classes="
+                        f"{d.num_classes}; set data.num_classes={NUM_CLASSES}")
+    train_images, train_labels = generate(train.total, 0, d.resolution)
+    val_images, val_labels = generate(val.total, 1, d.resolution)
+    pixels = train_images.reshape(-1, 3) / 255
+    mean, std = pixels.mean(0).tolist(), pixels.std(0).tolist()
+    return (SyntheticSource(train_images, train_labels, train, mean, std, d, seed, device, half, augment=True),
+            SyntheticSource(val_images, val_labels, val, mean, std, d, seed, device, half, augment=False))
