@@ -1,6 +1,5 @@
 """CIFAR-10 resident on the device: loading, augmentation written into the arena, sharding."""
 import pickle
-import time
 from pathlib import Path
 
 import numpy as np
@@ -192,9 +191,7 @@ def test_too_few_images_for_the_configured_size(batches):
 def test_the_cifar10_jpeg_archive():
     cfg = TrainConfig(data=DataConfig(name="cifar10", root=str(ARCHIVE), train_size=1000, val_size=500),
                       trainer=TrainerConfig(batch_size=500))
-    start = time.time()
     train, val = build_sources(cfg, CPU, 0, 1, None)
-    assert time.time() - start < 30
     assert train.images.shape == (1000, 32, 32, 3) and val.images.shape == (500, 32, 32, 3)
     counts = torch.bincount(train.labels.long(), minlength=10)
     assert counts.min() > 60  # a random subset keeps every class

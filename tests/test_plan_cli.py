@@ -25,7 +25,7 @@ M, V, N = {f"M_{k}" for k in SIX}, {f"V_{k}" for k in SIX}, {f"N_{k}" for k in H
 # name -> (overrides, the regions the design's table disables for that configuration)
 CONFIGS = {
     "lars_amp_ema": (["optimizer=lars", "amp=true", "ema=true"], W_EQ | V | FP32_ONLY),
-    "sgd_fold_partial": (["optimizer=sgd", "amp=false", "fold_bn=true", "trainer.batch_size=100",
+    "sgd_fold_partial": (["model=cifar_resnet20_narrow", "optimizer=sgd", "amp=false", "fold_bn=true", "trainer.batch_size=100",
                           "trainer.drop_last=false"], E32 | E16 | AMP_ONLY | M | V | N),
     "adam_amp": (["optimizer=adam", "amp=true"], W_EQ | E32 | E16 | N | FP32_ONLY),
     "resnet50_lars_amp_ema": (["model=resnet50", "optimizer=lars", "amp=true", "ema=true"],

@@ -132,10 +132,25 @@ def start(cfg) -> Dist:
             raise ConfigError(f"local rank {d.local_rank} has no GPU: this node has {torch.cuda.device_count()}; "
                               f"launch at most that many processes per node (--nproc_per_node)")
         torch.cuda.set_device(device)
-    td.init_process_group(backend, timeout=timedelta(seconds=cfg.dist.timeout_s),
-                          device_id=device if backend == "nccl" else None)
+    timeout = timedelta(seconds=cfg.dist.timeout_s)
+    td.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None,
+                          **_attempt_store(d, timeout))
     atexit.register(td.destroy_process_group)
     return Dist(d.rank, d.world, d.local_rank, Comm(d.rank, d.world, device, backend))
+
+
+def _attempt_store(d: Dist, timeout: timedelta) -> dict:
+    """torchrun's agent keeps one store for the whole job, and this torch's env:// rendezvous
+    does not key it by restart: the workers of a restarted job would read the addresses the
+    dead ones left there (gloo's mesh, NCCL's unique id) and fail or hang. One prefix per
+    attempt keeps the attempts apart."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = td.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), d.world, is_master=False,
+                        timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": td.PrefixStore(f"/trainer/attempt_{attempt}", store), "rank": d.rank, "world_size": d.world}
+
 
 
 def device_for(choice: str, d: Dist) -> torch.device:

@@ -27,7 +27,7 @@ class Program:
         """forward: what computes the logits, when not the bound model itself (the
         torch.compile'd model under compile=true)."""
         self.variant, self.buffer, self.model, self.tensors = variant, buffer, model, tensors
-        self.forward = forward or model
+        self.forward = model if forward is None else forward
         self.arena, self.ops = arena, ops
         self.smoothing, self.tta_level, self.grad_sync = label_smoothing, tta_level, grad_sync
         self.x = arena[tensors.input.data[buffer]]

@@ -147,6 +147,8 @@ class DaliSource:
         self._scheduled += 1
 
     def fill(self, data: torch.Tensor, label: torch.Tensor, mask: torch.Tensor | None, stream) -> None:
+        if not data.is_contiguous():
+            raise ValueError(f"fill() writes raw NHWC bytes: data must be contiguous, not strides {data.stride()}")
         self._plan.take(len(data))
         if self._scheduled < len(self._plan):
             self._schedule()

@@ -17,7 +17,7 @@ def find_split(root: Path, names: tuple[str, ...]) -> Path:
     """The first of root/<name> that exists (CIFAR's tree calls its val split "test")."""
     if not root.exists():
         raise DataError(f"missing data.root {root}: point data.root at the folder that holds "
-                        f"{'/, '.join(names)}/ (class folders of JPEGs)")
+                        f"{names[0]}/<class>/*.jpg")
     for name in names:
         if (root / name).is_dir():
             return root / name

@@ -62,9 +62,9 @@ def sources(d: DataConfig, train: Shard, val: Shard, seed: int, device: torch.de
         raise DataError(f"{root / 'train'} has {len(classes)} class folders but data.num_classes="
                         f"{d.num_classes}; set data.num_classes={len(classes)}")
     if val_classes != classes:
-        missing = sorted(set(classes) ^ set(val_classes))
+        differ = sorted(set(classes) ^ set(val_classes))
         raise DataError(f"{root / 'val'} and {root / 'train'} differ in their class folders "
-                        f"({', '.join(missing[:8])}): both need the same ones, or the labels would not match")
+                        f"({', '.join(differ[:8])}): both need the same ones, or the labels would not match")
     train_keep, val_keep = subset(len(train_files), train.total, 0), subset(len(val_files), val.total, 1)
     train_files, train_labels = [train_files[i] for i in train_keep], train_labels[train_keep]
     val_files, val_labels = [val_files[i] for i in val_keep], val_labels[val_keep]

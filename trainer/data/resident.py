@@ -34,6 +34,7 @@ class ResidentSource:
         self._device_table: torch.Tensor | None = None
 
     def start_epoch(self, epoch: int, resolution: int) -> None:
+        # resolution: nothing to prepare, fill() resizes to the shape of the buffer it is given
         plan = self.shard.epoch(self.seed, epoch)
         n, examples = self.shard.total, plan.examples
         corner, flip = np.zeros((len(examples), 2), int), np.zeros(len(examples), bool)

@@ -34,8 +34,9 @@ def rng(seed: int, *keys: int) -> np.random.Generator:
     return np.random.default_rng([seed % 2**32, *keys])
 
 
-# keys of the random streams, so that no two purposes share draws
-ORDER, FLIP, CROP, SUBSET, DALI_SEED = range(5)
+# keys of the random streams, so that no two purposes share draws (one key per purpose:
+# numpy's seeding ignores trailing zeros, so [seed, key] and [seed, key, 0] are one stream)
+ORDER, FLIP, FIRST_FLIP, CROP, SUBSET, DALI_SEED = range(6)
 
 
 class Shard:
@@ -65,7 +66,7 @@ class Shard:
         for b in self.batches:
             mine.append(order[start + self.rank * b:start + (self.rank + 1) * b])
             start += self.world * b
-        slots = np.concatenate(mine) if mine else np.zeros(0, np.int64)
+        slots = np.concatenate(mine)
         return EpochPlan(slots % self.total, slots < self.total, self.batches)
 
 
@@ -110,7 +111,7 @@ def flips(mode: str, n: int, seed: int, epoch: int) -> np.ndarray:
     if mode == "none":
         return np.zeros(n, bool)
     if mode == "alternating":
-        return (rng(seed, FLIP).random(n) < 0.5) ^ bool(epoch % 2)
+        return (rng(seed, FIRST_FLIP).random(n) < 0.5) ^ bool(epoch % 2)
     return rng(seed, FLIP, epoch).random(n) < 0.5
 
 

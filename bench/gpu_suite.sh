@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The GPU checks and benchmarks behind docs/BENCHMARKS.md, by section:
+#   bash bench/gpu_suite.sh tests kernels r50 r50b64 r18 cifar1 ...
+# Logs go to $OUT (or ./gpu_logs). The CIFAR sections read $CIFAR (default .device/data/cifar10-jpeg.tgz).
+set -u
+OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
+CIFAR=${CIFAR:-.device/data/cifar10-jpeg.tgz}
+export PYTHONUNBUFFERED=1
+R50="model=resnet50 data.resolution=224 data.num_classes=1000 amp=true"
+section() {  # name, timeout, command...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name"; local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  echo "=== $name rc=$rc $((SECONDS - t0))s"; tail -n 25 "$OUT/$name.log"
+}
+for s in "$@"; do case $s in
+  env) nvidia-smi -L; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.backends.cudnn.version())";;
+  tests) section tests 240 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_data_gpu.py tests/test_kernels.py -x -p no:cacheprovider;;
+  kernels) section kernels 120 python3 bench/kernels_bench.py;;
+  r50) section r50 330 python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.optimizers=[momentum,lars,adamw]" hydra.run.dir=$OUT/r50;;
+  r50nocompile) section r50nocompile 200 python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.baselines=[eager_bf16,eager_fp16]" "bench.optimizers=[momentum,lars,adamw]" hydra.run.dir=$OUT/r50nc;;
+  r50compile) section r50compile 300 python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.baselines=[eager_bf16]" compile=true hydra.run.dir=$OUT/r50c;;
+  r50b64) section r50b64 120 python3 run.py mode=bench $R50 trainer.batch_size=64 "bench.baselines=[eager_bf16,eager_fp16]" hydra.run.dir=$OUT/r50b64;;
+  r18) section r18 120 python3 run.py mode=bench model=resnet18_cifar data.resolution=32 amp=true trainer.batch_size=512 "bench.baselines=[eager_bf16,eager_fp16]" hydra.run.dir=$OUT/r18;;
+  cifar1) section cifar1 180 python3 run.py +experiment=cifar10_speed data.root=$CIFAR hydra.run.dir=$OUT/cifar1;;
+  cifar5) section cifar5 300 python3 run.py -m +experiment=cifar10_speed data.root=$CIFAR trainer.seed=0,1,2,3,4 hydra.sweep.dir=$OUT/cifar5
+          python3 bench/seeds.py $OUT/cifar5;;
+  resnet18) section resnet18 400 python3 run.py +experiment=cifar10_resnet18 data.root=$CIFAR hydra.run.dir=$OUT/resnet18;;
+  loader) python3 -m trainer.data.make_jpeg_tree /tmp/tree --classes 100 --per-class 130 --val-per-class 10 > /dev/null
+          section loader 300 python3 bench/loader_bench.py data.root=/tmp/tree;;
+  *) echo "unknown section $s";;
+esac; done

@@ -1,0 +1,166 @@
+"""JPEG class folders through DALI: labels, normalization, variants, and the error messages."""
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from trainer.config import DataConfig, TrainConfig, TrainerConfig
+from trainer.data import build_sources, dataset_sizes
+from trainer.data.jpeg_folder import IMAGENET_MEAN, IMAGENET_STD
+from trainer.data.make_jpeg_tree import main as make_jpeg_tree
+from trainer.errors import DataError
+
+CPU = torch.device("cpu")
+# Folder names sort differently from this order: labels must follow the sorted names.
+COLORS = {"zebra": (200, 40, 40), "apple": (40, 200, 40), "mango": (40, 40, 200)}
+LABEL_OF_COLOR = {color: sorted(COLORS).index(name) for name, color in COLORS.items()}
+
+
+@pytest.fixture
+def tree(tmp_path) -> Path:
+    """Solid-color images, one color per class: any crop of an image tells its class."""
+    root = tmp_path / "tree"
+    for split, count in (("train", 5), ("val", 2)):
+        for name, color in COLORS.items():
+            (root / split / name).mkdir(parents=True)
+            for i in range(count):
+                size = (48 + 8 * i, 40)  # sizes differ, as photos do
+                Image.new("RGB", size, color).save(root / split / name / f"{i}.jpg", quality=95)
+    return root
+
+
+def config(root, num_classes=3, batch=4, val_batch=0, drop_last=True, resolution=24, **data):
+    return TrainConfig(data=DataConfig(name="imagefolder", root=str(root), num_classes=num_classes,
+                                       resolution=resolution, threads=2, **data),
+                       trainer=TrainerConfig(batch_size=batch, val_batch_size=val_batch, drop_last=drop_last))
+
+
+def run_epoch(source, sizes, resolution, channels=3, dtype=torch.float32, mask=False, epoch=0):
+    source.start_epoch(epoch, resolution)
+    out = []
+    for n in sizes:
+        data = torch.empty(n, resolution, resolution, channels, dtype=dtype)
+        label = torch.empty(n, dtype=torch.int32)
+        m = torch.empty(n, dtype=torch.int8) if mask else None
+        source.fill(data, label, m, None)
+        out.append((data, label, m))
+    return out
+
+
+def colors_of(data: torch.Tensor) -> list[tuple[int, ...]]:
+    """The color at each image's center, back from the normalization, snapped to COLORS."""
+    rgb = data[:, data.shape[1] // 2, data.shape[2] // 2, :3].float() * torch.tensor(IMAGENET_STD) * 255
+    rgb += torch.tensor(IMAGENET_MEAN) * 255
+    palette = torch.tensor(list(COLORS.values()), dtype=torch.float32)
+    nearest = torch.cdist(rgb, palette).argmin(1)
+    assert torch.cdist(rgb, palette).min(1).values.max() < 12  # normalized with ImageNet's statistics
+    return [tuple(palette[i].int().tolist()) for i in nearest]
+
+
+def test_labels_follow_the_sorted_class_folders(tree):
+    train, val = build_sources(config(tree, batch=5, val_batch=3, drop_last=False), CPU, 0, 1, None)
+    assert (train.size, val.size, train.num_classes) == (15, 6, 3)
+    for source, sizes in ((train, (5, 5, 5)), (val, (3, 3))):
+        batches = run_epoch(source, sizes, 24, mask=source is val)
+        labels = [lab for _, label, _ in batches for lab in label.tolist()]
+        colors = [c for data, _, _ in batches for c in colors_of(data)]
+        assert labels == [LABEL_OF_COLOR[c] for c in colors]
+        assert sorted(labels) == sorted([0, 1, 2] * (len(labels) // 3))  # every image once
+
+
+def test_last_partial_batch_low_resolution_and_half(tree):
+    train, _ = build_sources(config(tree, batch=4, drop_last=False), CPU, 0, 1, torch.float16)
+    assert train.shard.batches == [4, 4, 4, 3]
+    for epoch, resolution in ((0, 16), (1, 24)):  # progressive resizing: low, then full
+        batches = run_epoch(train, (4, 4, 4, 3), resolution, channels=4, dtype=torch.float16, epoch=epoch)
+        for data, label, _ in batches:
+            assert torch.all(data[..., 3] == 0)
+            assert [LABEL_OF_COLOR[c] for c in colors_of(data)] == label.tolist()
+
+
+def test_val_shards_mask_their_padding(tree):
+    real = 0
+    for rank in range(4):  # 6 val images over 4 ranks: 2 per rank, 8 slots
+        _, val = build_sources(config(tree, val_batch=2), CPU, rank, 4, None)
+        (_, _, mask), = run_epoch(val, (2,), 24, mask=True)
+        real += int(mask.sum())
+    assert real == 6
+
+
+def test_fill_writes_in_place(tree):
+    train, _ = build_sources(config(tree), CPU, 0, 1, None)
+    arena = torch.zeros(2, 4, 24, 24, 3)
+    pointers = (arena[0].data_ptr(), arena[1].data_ptr())
+    train.start_epoch(0, 24)
+    train.fill(arena[0], torch.empty(4, dtype=torch.int32), None, None)
+    first = arena[0].clone()
+    train.fill(arena[1], torch.empty(4, dtype=torch.int32), None, None)
+    assert (arena[0].data_ptr(), arena[1].data_ptr()) == pointers
+    assert torch.equal(arena[0], first) and arena[1].abs().sum() > 0
+
+
+def test_peek(tree):
+    train, _ = build_sources(config(tree), CPU, 0, 1, None)
+    images = train.peek(7)
+    assert images.shape == (7, 3, 24, 24) and images.dtype == torch.float32
+    assert len(set(colors_of(images.permute(0, 2, 3, 1)))) > 1  # epoch 0's shuffled order, not one class
+
+
+def test_class_count_must_match(tree):
+    with pytest.raises(DataError, match=r"has 3 class folders but data.num_classes=1000; set data.num_classes=3"):
+        build_sources(config(tree, num_classes=1000), CPU, 0, 1, None)
+
+
+def test_val_must_have_the_training_classes(tree):
+    (tree / "val" / "apple").rename(tree / "val" / "apricot")
+    with pytest.raises(DataError, match=r"differ in their class folders \(apple, apricot\)"):
+        build_sources(config(tree), CPU, 0, 1, None)
+
+
+def test_missing_directories(tree, tmp_path):
+    with pytest.raises(DataError, match=f"missing data.root {tmp_path / 'nowhere'}"):
+        build_sources(config(tmp_path / "nowhere"), CPU, 0, 1, None)
+    shutil.rmtree(tree / "val")
+    with pytest.raises(DataError, match=f"missing directory {tree / 'val'}"):
+        dataset_sizes(config(tree).data)
+
+
+def test_empty_class_folder(tree):
+    for f in (tree / "val" / "mango").iterdir():
+        f.unlink()
+    with pytest.raises(DataError, match=f"empty class folder {tree / 'val' / 'mango'}"):
+        build_sources(config(tree), CPU, 0, 1, None)
+
+
+@pytest.mark.parametrize("content, why", [
+    (b"", "empty file"),
+    (b"GIF89a" + bytes(100), "no JPEG start marker"),
+    ("truncated", "no JPEG end marker"),
+])
+def test_a_corrupt_file_is_named_before_training(tree, content, why):
+    bad = tree / "train" / "apple" / "3.jpg"
+    bad.write_bytes(bad.read_bytes()[:len(bad.read_bytes()) // 2] if content == "truncated" else content)
+    with pytest.raises(DataError, match=f"corrupt JPEG {bad}: {why}"):
+        build_sources(config(tree), CPU, 0, 1, None)
+
+
+def test_a_file_dali_cannot_decode_is_named_when_its_batch_fails(tree):
+    bad = tree / "train" / "mango" / "1.jpg"
+    bad.write_bytes(b"\xff\xd8" + bytes(range(256)) * 4 + b"\xff\xd9")  # the ends look right
+    train, _ = build_sources(config(tree, batch=15), CPU, 0, 1, None)
+    with pytest.raises(DataError, match=f"corrupt JPEG {bad}: cannot be decoded"):
+        run_epoch(train, (15,), 24)
+
+
+def test_make_jpeg_tree(tmp_path):
+    make_jpeg_tree([str(tmp_path / "t"), "--classes", "3", "--per-class", "2", "--val-per-class", "1",
+                    "--size", "40x30", "--jobs", "2"])
+    d = config(tmp_path / "t").data
+    assert dataset_sizes(d) == (6, 3)
+    first = Image.open(tmp_path / "t" / "train" / "class_000" / "00000.jpg")
+    assert first.mode == "RGB" and 36 <= first.width <= 44 and 27 <= first.height <= 33
+    train, val = build_sources(config(tmp_path / "t", batch=6), CPU, 0, 1, None)
+    run_epoch(train, (6,), 24)
