@@ -15,7 +15,8 @@ section() {  # name, timeout, command...
 }
 for s in "$@"; do case $s in
   env) nvidia-smi -L; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.backends.cudnn.version())";;
-  tests) section tests 240 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_data_gpu.py tests/test_kernels.py -x -p no:cacheprovider;;
+  tests) section tests 240 python3 -m pytest -q tests/test_gpu.py tests/test_data_gpu.py tests/test_kernels.py -p no:cacheprovider;;
+  disttests) section disttests 180 python3 -m pytest -q -m gpu tests/test_dist.py -p no:cacheprovider;;
   kernels) section kernels 120 python3 bench/kernels_bench.py;;
   r50) section r50 330 python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.optimizers=[momentum,lars,adamw]" hydra.run.dir=$OUT/r50;;
   r50nocompile) section r50nocompile 200 python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.baselines=[eager_bf16,eager_fp16]" "bench.optimizers=[momentum,lars,adamw]" hydra.run.dir=$OUT/r50nc;;
@@ -23,6 +24,12 @@ for s in "$@"; do case $s in
   r50b64) section r50b64 120 python3 run.py mode=bench $R50 trainer.batch_size=64 "bench.baselines=[eager_bf16,eager_fp16]" hydra.run.dir=$OUT/r50b64;;
   r18) section r18 120 python3 run.py mode=bench model=resnet18_cifar data.resolution=32 amp=true trainer.batch_size=512 "bench.baselines=[eager_bf16,eager_fp16]" hydra.run.dir=$OUT/r18;;
   cifar1) section cifar1 180 python3 run.py +experiment=cifar10_speed data.root=$CIFAR hydra.run.dir=$OUT/cifar1;;
+  cifar1c) section cifar1c 240 python3 run.py +experiment=cifar10_speed compile=true data.root=$CIFAR hydra.run.dir=$OUT/cifar1c;;
+  cifar5auto) c=false; grep -q '"val_top1"' $OUT/cifar1c/summary.json 2>/dev/null && c=true
+          section cifar5 360 python3 run.py -m +experiment=cifar10_speed compile=$c data.root=$CIFAR trainer.seed=0,1,2,3,4 hydra.sweep.dir=$OUT/cifar5
+          python3 bench/seeds.py $OUT/cifar5;;
+  r18c) section r18c 200 python3 run.py mode=bench model=resnet18_cifar data.resolution=32 amp=true trainer.batch_size=512 "bench.baselines=[eager_bf16,eager_fp16]" compile=true hydra.run.dir=$OUT/r18c;;
+  r50b64c) section r50b64c 200 python3 run.py mode=bench $R50 trainer.batch_size=64 "bench.baselines=[eager_bf16]" compile=true hydra.run.dir=$OUT/r50b64c;;
   cifar5) section cifar5 300 python3 run.py -m +experiment=cifar10_speed data.root=$CIFAR trainer.seed=0,1,2,3,4 hydra.sweep.dir=$OUT/cifar5
           python3 bench/seeds.py $OUT/cifar5;;
   resnet18) section resnet18 400 python3 run.py +experiment=cifar10_resnet18 data.root=$CIFAR hydra.run.dir=$OUT/resnet18;;

@@ -56,7 +56,6 @@ def ghost_batch_norm(model: nn.Module, chunks: int) -> nn.Module:
     return model
 
 
-
 def _ghost_forward(bn, forward, chunks, x):
     if not bn.training:
         return forward(bn, x)
@@ -110,7 +109,6 @@ def test_a_sharded_plan_holds_a_share_of_each_moment_region(config_):
     assert held < 0.5 * sum(replicated.region_bytes(r) for r in R if r.name.startswith(("M_", "V_")))
     assert sharded.sharding()["bytes_per_gpu"] == held and "sharding" not in replicated.to_json()
     sharded.regions[R.M_DEEP_CONV][0].shape = (128,)  # a share that no longer tiles its range
-
     with pytest.raises(PlanError, match="sharding: M_DEEP_CONV"):
         sharded.validate()
 
@@ -140,7 +138,6 @@ def engine(cfg, d):
     from trainer.setup import assemble
     torch.manual_seed(cfg.trainer.seed)  # as the Trainer does: the same initial weights everywhere
     e = assemble(cfg, torch.device("cpu"), d.world, grad_sync_factory=d.grad_sync_factory)
-
     d.prepare(e)
     return e
 
@@ -284,7 +281,6 @@ def test_sharded_state_takes_a_share_of_the_memory(sharded_runs):
     bytes_of = lambda plan, prefix: sum(r["bytes"] for r in plan["regions"] if r["name"].startswith(prefix))
     assert {r["name"] for r in sharded["regions"] if r["name"].startswith(("M_", "V_")) and r["bytes"]} \
         == set(sharded["sharding"]["sharded_regions"])
-
     for prefix in ("M_", "V_"):  # each rank holds half, plus a slot's spare per share
         assert bytes_of(sharded, prefix) < 0.6 * bytes_of(replicated, prefix)
     s = sharded["sharding"]
@@ -298,7 +294,6 @@ def test_sharded_checkpoint_resumes_every_rank_share(sharded_runs):
         for region, data in state.items():
             assert torch.equal(resumed_state[region], data), region
         assert "sharded over 2 ranks, this run's over 1" in run["refused"]
-
 
 
 # -- end to end: torchrun, run.py, one run directory, a killed worker ---------------------------------
@@ -315,7 +310,6 @@ def launch(run_dir: Path, *args, ranks: int = WORLD, torchrun: bool = True, env:
                          text=True, timeout=300, cwd=run_dir.parent, env={**os.environ, **(env or {})})
     assert (out.returncode == 0) == (restarts > 0), out.stdout[-3000:] + out.stderr[-3000:]
     return out
-
 
 
 def records(run_dir: Path) -> tuple[dict, list]:
@@ -353,7 +347,6 @@ def test_torchrun_two_ranks_train_like_one_rank(e2e):
 def test_a_killed_worker_is_restarted_and_the_job_resumes(e2e):
     killed = e2e / "killed"
     assert f"resumed from {killed} after epoch 1" in (killed / "run.log").read_text()
-
     assert json.loads((killed / "summary.json").read_text())["steps"] == 2 * PER_EPOCH
     (steps, epochs), (straight, straight_epochs) = records(killed), records(e2e / "two")
     assert list(steps) == list(straight)
@@ -421,4 +414,3 @@ if __name__ == "__main__":  # a trainer process of the end-to-end tests, with th
         sys.argv += os.environ["TEST_RANK1_ARGS"].split()
     sys.argv[0] = str(ROOT / "run.py")
     runpy.run_path(sys.argv[0], run_name="__main__")
-

@@ -89,4 +89,3 @@ def main(dict_cfg: DictConfig):
     except Exception:
         log.exception("the run failed")  # into this rank's log file too, not only onto stderr
         raise
-

@@ -125,7 +125,7 @@ def ours(cfg: TrainConfig, device) -> Result:
     first = time.perf_counter() - t0
     ms = statistics.median(_timed_steps(step, cfg.bench.steps, cfg.bench.warmup, device))
     name = f"ours {cfg.optimizer.name}" + (f" {cfg.amp_dtype}" if cfg.amp else " fp32") + (
-        "" if engine.executor.use_graphs else " eager")
+        " compile" if cfg.compile else "") + ("" if engine.executor.use_graphs else " eager")
     result = Result(name, ms, cfg.trainer.batch_size / ms * 1000, _peak_gib(device), first)
     del engine
     return result
@@ -147,6 +147,10 @@ def table(cfg: TrainConfig, results: list[Result], device) -> str:
 
 
 def run(cfg: TrainConfig, device, optimizers: list[str]) -> str:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.cuda.init()
+        torch.backends.cudnn.benchmark = True
     results = [plain_loop(cfg, m, device) for m in cfg.bench.baselines]
     for name in optimizers:
         c = copy.deepcopy(cfg)

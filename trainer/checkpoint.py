@@ -65,7 +65,6 @@ def load(path: Path, arena: Arena, meta_now: dict, rank: int = 0) -> dict:
         region = _region_bytes(arena, Region[name])
         n = region.numel()
         region.copy_(data[(rank if rank < data.numel() // n else 0) * n:][:n])
-
     for name, value in payload["scalars"].items():
         arena[plan[Baseline[name]]].copy_(value)
     return payload["meta"]
@@ -115,7 +114,6 @@ def _difference(payload: dict, plan: MemoryPlan, meta_now: dict) -> str:
     if payload.get("shards", 1) != plan.config.shards:
         return (f"its optimizer state is sharded over {payload.get('shards', 1)} ranks, this run's over "
                 f"{plan.config.shards} (resume with the same number of ranks and dist.shard_optimizer)")
-
     for r in STATE_REGIONS:
         ours = [t.name for t in plan.regions[r]]
         if payload["layout"].get(r.name) != ours:

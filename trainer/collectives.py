@@ -58,12 +58,12 @@ class Comm:
     def mean_share_(self, x: torch.Tensor):
         """Reduce-scatter: this rank's share of x becomes the mean over ranks of that share."""
         share = self.share(x)
-        td.reduce_scatter_single(share, x, op=self._mean_op)
+        td.reduce_scatter_tensor(share, x, op=self._mean_op)
         self._scale(share)
 
     def gather_shares_(self, x: torch.Tensor):
         """All-gather: every rank's share of x, from the rank that owns it."""
-        td.all_gather_single(x, self.share(x))
+        td.all_gather_into_tensor(x, self.share(x))
 
     def sum_(self, x: torch.Tensor):
         td.all_reduce(x)
@@ -143,7 +143,6 @@ def _grad_region(u: Unit, amp: bool) -> R:
 
 def _grad_span(ops: RangeOps, u: Unit, n_bias: int) -> torch.Tensor:
     if _half(u, ops.config.amp):
-
         return ops.g16_weight[u.start - n_bias:u.start - n_bias + u.length]
     return ops.g_all[u.start:u.start + u.length]
 

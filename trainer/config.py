@@ -94,7 +94,7 @@ class TrainerConfig:
 @dataclass
 class DistConfig:
     backend: str = "auto"  # auto (nccl on GPUs, gloo on CPU) | nccl | gloo
-    shard_optimizer: bool = False  # ZeRO stage 1: each rank keeps and updates a shard of M/V/N
+    shard_optimizer: bool = False  # ZeRO stage 1: each rank keeps and updates a share of M/V (N: replicated)
     deep_conv_buckets: int = 4  # all-reduce buckets over G_DEEP_CONV, issued in reverse layer order
     timeout_s: int = 600
 
@@ -201,4 +201,3 @@ def plan_config(cfg: TrainConfig, schedule_steps: int, world: int = 1) -> PlanCo
                       freeze_first_conv=cfg.trainer.first_conv_freeze_epochs >= 0,
                       shards=world if cfg.dist.shard_optimizer else 1,
                       deep_conv_buckets=cfg.dist.deep_conv_buckets)
-

@@ -64,7 +64,7 @@ class Dist:
         """Stop every rank, naming the ranks whose `value` differs from rank 0's."""
         mine = torch.tensor(list(value.encode().ljust(64)[:64]), dtype=torch.uint8, device=self._device())
         every = torch.empty(self.world * 64, dtype=torch.uint8, device=mine.device)
-        td.all_gather_single(every, mine)
+        td.all_gather_into_tensor(every, mine)
         values = [bytes(row).decode().rstrip() for row in every.view(self.world, 64).tolist()]
         differ = [r for r, v in enumerate(values) if v != values[0]]
         if differ:
@@ -94,9 +94,8 @@ class Dist:
         for r in R:
             if (r in (R.B_NEXT_MEAN, R.B_NEXT_VAR) or plan.config.sharded(r)) and plan.region_bytes(r):
                 offset, nbytes = plan.range(r)
-
                 every = torch.empty(self.world * nbytes, dtype=torch.uint8, device=arena.device)
-                td.all_gather_single(every, arena.storage[offset:offset + nbytes])
+                td.all_gather_into_tensor(every, arena.storage[offset:offset + nbytes])
                 out[r.name] = every.cpu()
         return out
 
@@ -150,7 +149,6 @@ def _attempt_store(d: Dist, timeout: timedelta) -> dict:
                         timeout=timeout)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return {"store": td.PrefixStore(f"/trainer/attempt_{attempt}", store), "rank": d.rank, "world_size": d.world}
-
 
 
 def device_for(choice: str, d: Dist) -> torch.device:

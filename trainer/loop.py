@@ -179,8 +179,6 @@ class Trainer:
         folder = self.run_dir / "checkpoints"
         meta = {**self.meta, "epoch": epochs_done, "history": self.history}
         checkpoint.save(folder / f"epoch_{epochs_done:04d}.pt", self.arena, meta, per_rank)
-
-
         checkpoint.prune(folder, self.cfg.trainer.keep_checkpoints)
 
     def summary(self, last_row: dict) -> dict:

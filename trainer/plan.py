@@ -43,7 +43,6 @@ class PlanConfig:
             raise PlanError("sharded optimizer state needs an optimizer that keeps some: sgd has none; "
                             "use momentum, nesterov, adam, adamw or lars, or dist.shard_optimizer=false")
 
-
     @property
     def has_momentum(self) -> bool:
         return self.optimizer != "sgd"

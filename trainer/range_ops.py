@@ -130,7 +130,6 @@ class RangeOps:
         if self.shard is not None:
             return self.shard.update(self)
         s, opt, skip = self.s, self.config.optimizer, self.s[B.OVERFLOW]
-
         mu = s[B.MOMENTUM]
         blocks = ((self.w_bias, self.g_bias, self.m_bias, s[B.LR_BIAS], s[B.WEIGHT_DECAY_BIAS], "v_bias"),
                   (self.w_weight, self.g_weight, self.m_weight, s[B.LR_WEIGHT], s[B.WEIGHT_DECAY], "v_weight"))
