@@ -20,7 +20,7 @@ for s in "$@"; do case $s in
   kernels) section kernels 120 python3 bench/kernels_bench.py;;
   r50) section r50 330 python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.optimizers=[momentum,lars,adamw]" hydra.run.dir=$OUT/r50;;
   r50nocompile) section r50nocompile 200 python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.baselines=[eager_bf16,eager_fp16]" "bench.optimizers=[momentum,lars,adamw]" hydra.run.dir=$OUT/r50nc;;
-  r50compile) section r50compile 300 python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.baselines=[eager_bf16]" compile=true hydra.run.dir=$OUT/r50c;;
+  r50compile) section r50compile 300 python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.baselines=[eager_bf16,compile_bf16]" compile=true hydra.run.dir=$OUT/r50c;;
   r50b64) section r50b64 120 python3 run.py mode=bench $R50 trainer.batch_size=64 "bench.baselines=[eager_bf16,eager_fp16]" hydra.run.dir=$OUT/r50b64;;
   r18) section r18 120 python3 run.py mode=bench model=resnet18_cifar data.resolution=32 amp=true trainer.batch_size=512 "bench.baselines=[eager_bf16,eager_fp16]" hydra.run.dir=$OUT/r18;;
   cifar1) section cifar1 180 python3 run.py +experiment=cifar10_speed data.root=$CIFAR hydra.run.dir=$OUT/cifar1;;
@@ -32,8 +32,8 @@ for s in "$@"; do case $s in
   r50b64c) section r50b64c 200 python3 run.py mode=bench $R50 trainer.batch_size=64 "bench.baselines=[eager_bf16]" compile=true hydra.run.dir=$OUT/r50b64c;;
   cifar5) section cifar5 300 python3 run.py -m +experiment=cifar10_speed data.root=$CIFAR trainer.seed=0,1,2,3,4 hydra.sweep.dir=$OUT/cifar5
           python3 bench/seeds.py $OUT/cifar5;;
-  resnet18) section resnet18 400 python3 run.py +experiment=cifar10_resnet18 data.root=$CIFAR hydra.run.dir=$OUT/resnet18;;
+  resnet18) section resnet18 240 python3 run.py +experiment=cifar10_resnet18 data.root=$CIFAR hydra.run.dir=$OUT/resnet18;;
   loader) python3 -m trainer.data.make_jpeg_tree /tmp/tree --classes 100 --per-class 130 --val-per-class 10 > /dev/null
-          section loader 300 python3 bench/loader_bench.py data.root=/tmp/tree;;
+          section loader 200 python3 bench/loader_bench.py data.root=/tmp/tree;;
   *) echo "unknown section $s";;
 esac; done
