@@ -35,5 +35,6 @@ for s in "$@"; do case $s in
   resnet18) section resnet18 240 python3 run.py +experiment=cifar10_resnet18 data.root=$CIFAR hydra.run.dir=$OUT/resnet18;;
   loader) python3 -m trainer.data.make_jpeg_tree /tmp/tree --classes 100 --per-class 130 --val-per-class 10 > /dev/null
           section loader 200 python3 bench/loader_bench.py data.root=/tmp/tree;;
+  loader8) section loader8 200 python3 bench/loader_bench.py data.root=/tmp/tree data.threads=8;;
   *) echo "unknown section $s";;
 esac; done

@@ -60,7 +60,7 @@ class DataConfig:
     flip: str = "random"  # random | alternating | none
     val_resize: float = 1.14  # imagefolder evaluation: resize the short side to resolution*this, center crop
     min_crop_area: float = 0.25  # imagefolder training: random-resized crop area range [this, 1]
-    threads: int = 4
+    threads: int = 0  # DALI decoding and file-reading threads per rank; 0: the cores shared among local ranks
     check_files: bool = True  # imagefolder: look at both ends of every JPEG before training (seconds per million files)
     seed_offset: int = 0
     tta: int = 0  # evaluation views: 0 none, 1 flip, 2 flip and one-pixel translations
@@ -149,8 +149,8 @@ _CHOICES = {
 }
 _POSITIVE = ("trainer.epochs", "trainer.batch_size", "data.resolution", "data.num_classes", "trainer.log_every",
              "optimizer.eps", "trainer.grad_scale_init", "trainer.grad_scale_growth_interval",
-             "trainer.ema_every", "dist.deep_conv_buckets", "bench.steps", "data.threads")
-_NON_NEGATIVE = ("optimizer.lr", "trainer.ema_warmup_power", "optimizer.weight_decay", "optimizer.bias_lr_scale", "optimizer.lars_eta",
+             "trainer.ema_every", "dist.deep_conv_buckets", "bench.steps")
+_NON_NEGATIVE = ("optimizer.lr", "trainer.ema_warmup_power", "data.threads", "optimizer.weight_decay", "optimizer.bias_lr_scale", "optimizer.lars_eta",
                  "trainer.val_batch_size", "trainer.lowres_epochs", "trainer.checkpoint_every",
                  "trainer.stop_after_epoch", "schedule.warmup_epochs", "data.train_size", "data.val_size",
                  "data.crop_padding", "bench.warmup", "optimizer.nominal_batch", "data.tta")

@@ -4,7 +4,9 @@ Each data set's module builds a (train, val) pair of Sources (source.py: the con
 The modules are imported only when their data set is asked for, so the planner, which
 needs only dataset_sizes, runs without DALI.
 """
+import dataclasses
 import importlib
+import os
 from pathlib import Path
 
 import torch
@@ -37,6 +39,9 @@ def build_sources(cfg: TrainConfig, device: torch.device, rank: int, world: int,
     """(train, val) sources for this rank. half: torch.float16/bfloat16 under AMP (data
     written as that dtype, 4 channels: RGB + a zero channel), None for fp32 3-channel data."""
     d, t = cfg.data, cfg.trainer
+    if not d.threads:  # JPEG decoding is CPU-bound in part (Huffman decoding): use the cores
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        d = dataclasses.replace(d, threads=max(1, (os.cpu_count() or 1) // local))
     train_size, val_size = dataset_sizes(d)
     train = Shard(train_size, t.batch_size, rank, world, train=True, drop_last=t.drop_last)
     val = Shard(val_size, t.val_batch_size or t.batch_size, rank, world, train=False)
