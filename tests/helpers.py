@@ -33,3 +33,16 @@ def bound(model: nn.Module, steps: int = 20, batch: int = 4, resolution: int = 8
 
 def hyper(lr=0.05, wd=1e-2, momentum=0.9, beta2=0.999, eps=1e-8, eta=0.001) -> Hyperparameters:
     return Hyperparameters(lr, lr, wd, 0.0, momentum, beta2, eps, eta)
+
+
+def serve(source, sizes, resolution, channels=3, dtype=torch.float32, mask=False, epoch=0) -> list:
+    """One epoch of a Source: (data, label, mask) of each batch of `sizes`, in fresh tensors."""
+    source.start_epoch(epoch, resolution)
+    out = []
+    for n in sizes:
+        data = torch.empty(n, resolution, resolution, channels, dtype=dtype)
+        label = torch.empty(n, dtype=torch.int32)
+        m = torch.empty(n, dtype=torch.int8) if mask else None
+        source.fill(data, label, m, None)
+        out.append((data, label, m))
+    return out

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.helpers import serve
 from trainer.config import DataConfig, TrainConfig, TrainerConfig
 from trainer.data import build_sources
 from trainer.data.cifar import CIFAR_MEAN, CIFAR_STD
@@ -51,15 +52,7 @@ def pixels(data: torch.Tensor) -> torch.Tensor:
 
 
 def epoch(source, n_batches, batch, resolution=32, channels=3, dtype=torch.float32, epoch=0, mask=False):
-    source.start_epoch(epoch, resolution)
-    out = []
-    for _ in range(n_batches):
-        data = torch.empty(batch, resolution, resolution, channels, dtype=dtype)
-        label = torch.empty(batch, dtype=torch.int32)
-        m = torch.empty(batch, dtype=torch.int8) if mask else None
-        source.fill(data, label, m, None)
-        out.append((data, label, m))
-    return out
+    return serve(source, [batch] * n_batches, resolution, channels, dtype, mask, epoch)
 
 
 def test_val_is_the_images_in_order_normalized_with_their_labels(batches):

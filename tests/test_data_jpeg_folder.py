@@ -7,6 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.helpers import serve
 from trainer.config import DataConfig, TrainConfig, TrainerConfig
 from trainer.data import build_sources, dataset_sizes
 from trainer.data.jpeg_folder import IMAGENET_MEAN, IMAGENET_STD
@@ -38,18 +39,6 @@ def config(root, num_classes=3, batch=4, val_batch=0, drop_last=True, resolution
                        trainer=TrainerConfig(batch_size=batch, val_batch_size=val_batch, drop_last=drop_last))
 
 
-def run_epoch(source, sizes, resolution, channels=3, dtype=torch.float32, mask=False, epoch=0):
-    source.start_epoch(epoch, resolution)
-    out = []
-    for n in sizes:
-        data = torch.empty(n, resolution, resolution, channels, dtype=dtype)
-        label = torch.empty(n, dtype=torch.int32)
-        m = torch.empty(n, dtype=torch.int8) if mask else None
-        source.fill(data, label, m, None)
-        out.append((data, label, m))
-    return out
-
-
 def colors_of(data: torch.Tensor) -> list[tuple[int, ...]]:
     """The color at each image's center, back from the normalization, snapped to COLORS."""
     rgb = data[:, data.shape[1] // 2, data.shape[2] // 2, :3].float() * torch.tensor(IMAGENET_STD) * 255
@@ -64,7 +53,7 @@ def test_labels_follow_the_sorted_class_folders(tree):
     train, val = build_sources(config(tree, batch=5, val_batch=3, drop_last=False), CPU, 0, 1, None)
     assert (train.size, val.size, train.num_classes) == (15, 6, 3)
     for source, sizes in ((train, (5, 5, 5)), (val, (3, 3))):
-        batches = run_epoch(source, sizes, 24, mask=source is val)
+        batches = serve(source, sizes, 24, mask=source is val)
         labels = [lab for _, label, _ in batches for lab in label.tolist()]
         colors = [c for data, _, _ in batches for c in colors_of(data)]
         assert labels == [LABEL_OF_COLOR[c] for c in colors]
@@ -75,7 +64,7 @@ def test_last_partial_batch_low_resolution_and_half(tree):
     train, _ = build_sources(config(tree, batch=4, drop_last=False), CPU, 0, 1, torch.float16)
     assert train.shard.batches == [4, 4, 4, 3]
     for epoch, resolution in ((0, 16), (1, 24)):  # progressive resizing: low, then full
-        batches = run_epoch(train, (4, 4, 4, 3), resolution, channels=4, dtype=torch.float16, epoch=epoch)
+        batches = serve(train, (4, 4, 4, 3), resolution, channels=4, dtype=torch.float16, epoch=epoch)
         for data, label, _ in batches:
             assert torch.all(data[..., 3] == 0)
             assert [LABEL_OF_COLOR[c] for c in colors_of(data)] == label.tolist()
@@ -85,7 +74,7 @@ def test_val_shards_mask_their_padding(tree):
     real = 0
     for rank in range(4):  # 6 val images over 4 ranks: 2 per rank, 8 slots
         _, val = build_sources(config(tree, val_batch=2), CPU, rank, 4, None)
-        (_, _, mask), = run_epoch(val, (2,), 24, mask=True)
+        (_, _, mask), = serve(val, (2,), 24, mask=True)
         real += int(mask.sum())
     assert real == 6
 
@@ -152,7 +141,7 @@ def test_a_file_dali_cannot_decode_is_named_when_its_batch_fails(tree):
     bad.write_bytes(b"\xff\xd8" + bytes(range(256)) * 4 + b"\xff\xd9")  # the ends look right
     train, _ = build_sources(config(tree, batch=15), CPU, 0, 1, None)
     with pytest.raises(DataError, match=f"corrupt JPEG {bad}: cannot be decoded"):
-        run_epoch(train, (15,), 24)
+        serve(train, (15,), 24)
 
 
 def test_make_jpeg_tree(tmp_path):
@@ -163,4 +152,4 @@ def test_make_jpeg_tree(tmp_path):
     first = Image.open(tmp_path / "t" / "train" / "class_000" / "00000.jpg")
     assert first.mode == "RGB" and 36 <= first.width <= 44 and 27 <= first.height <= 33
     train, val = build_sources(config(tmp_path / "t", batch=6), CPU, 0, 1, None)
-    run_epoch(train, (6,), 24)
+    serve(train, (6,), 24)

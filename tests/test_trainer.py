@@ -16,6 +16,7 @@ from trainer.config import register, validate
 from trainer.dist import Dist
 from trainer.errors import CheckpointError
 from trainer.plan import Baseline as B
+from trainer.regions import Region as R
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
@@ -145,3 +146,39 @@ def test_nan_loss_with_amp_is_a_skipped_step(tmp_path):
     out = run(tmp_path, *TINY, *explode, "amp=true")
     assert out.returncode == 0, out.stdout + out.stderr
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 32
+
+
+def test_folded_batchnorm_evaluates_like_batchnorm(tmp_path):
+    """fold_bn: evaluation through W_EQ (x * scale + bias) gives the unfolded result."""
+    common = ["model=cifar_resnet20_narrow", "trainer.epochs=1", "ema=true"]
+    plain = train(tmp_path / "plain", *common).history[-1]
+    folded_run = train(tmp_path / "folded", *common, "fold_bn=true")
+    folded = folded_run.history[-1]
+    assert folded_run.arena.flat(R.W_EQ_SCALE).abs().sum() > 0
+    assert folded["train_loss"] == plain["train_loss"], "folding changes evaluation only"
+    assert folded["val_top1"] == pytest.approx(plain["val_top1"], abs=1 / 128)
+    assert folded["val_loss"] == pytest.approx(plain["val_loss"], rel=1e-4)
+
+
+def test_eval_mode_reproduces_the_final_evaluation(tmp_path):
+    trained = train(tmp_path / "run", "trainer.epochs=1")
+    out = run(tmp_path / "eval", "mode=eval", *TINY, f"checkpoint={tmp_path / 'run'}")
+    assert out.returncode == 0, out.stdout + out.stderr
+    result = json.loads((tmp_path / "eval" / "summary.json").read_text())
+    final = trained.history[-1]
+    assert result["val_top1"] == final["val_top1"] and result["val_loss"] == pytest.approx(final["val_loss"])
+
+
+def test_triton_kernels_train_like_torch_kernels(tmp_path):
+    """kernels=triton (Triton's interpreter on the CPU) against kernels=torch, a short run."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    states = []
+    for kernels in ("torch", "triton"):
+        out = subprocess.run([sys.executable, str(ROOT / "run.py"), f"hydra.run.dir={tmp_path / kernels}",
+                              f"kernels={kernels}", "optimizer=lars", "ema=true", "trainer.epochs=1",
+                              *TINY], capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env)
+        assert out.returncode == 0, out.stdout + out.stderr
+        states.append(checkpoint.read(tmp_path / kernels)["regions"])
+    for name in ("W_BN_BIAS", "W_DEEP_CONV", "M_DEEP_CONV", "E_DEEP_CONV"):
+        a, b = (s[name].view(torch.float32) for s in states)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)

@@ -48,10 +48,17 @@ def bind(model: nn.Module, tensors: ModelTensors, arena: Arena) -> nn.Module:
 
 
 def use_statistics(model: nn.Module, tensors: ModelTensors, arena: Arena, which: str):
-    """Point BatchNorm at B_NEXT (what training updates) or B_PREV (the rank-averaged copy
-    that evaluation reads). A captured graph keeps the addresses it was captured with."""
+    """Point BatchNorm at B_NEXT (what training updates), B_PREV (the rank-averaged copy
+    that evaluation reads) or "folded": evaluation through W_EQ, each BatchNorm computing
+    x * scale + bias with what FOLD_BN made of B_PREV and the BN weights. A captured graph
+    keeps the addresses it was captured with."""
     modules = dict(model.named_modules())
     for name, s in tensors.bn.items():
         bn = modules[name]
+        bn.__dict__.pop("forward", None)  # undo a folded forward
+        if which == "folded":
+            scale, bias = arena[s.eq_scale].view(1, -1, 1, 1), arena[s.eq_bias].view(1, -1, 1, 1)
+            bn.forward = lambda x, scale=scale, bias=bias: torch.addcmul(bias.to(x.dtype), x, scale.to(x.dtype))
+            continue
         mean, var = (s.next_mean, s.next_var) if which == "next" else (s.prev_mean, s.prev_var)
         bn.running_mean, bn.running_var = arena[mean], arena[var]

@@ -24,7 +24,7 @@ from trainer.metrics import MetricsLog, Stopwatch, plot_curves, write_summary
 from trainer.plan import Baseline as B
 from trainer.regions import Region as R
 from trainer.schedule import steps_per_epoch
-from trainer.planner import first_conv
+from trainer.planner import bn_eps, first_conv
 from trainer.setup import assemble
 from trainer.whitening import whiten_first_conv
 
@@ -134,6 +134,8 @@ class Trainer:
         self.dist.average_bn(self.ops)
         if self.cfg.ema:
             self.ops.sema_switch()
+        if self.cfg.fold_bn:  # from the weights evaluation uses: EMA's when EMA is on
+            self.ops.fold_bn(*bn_eps(self.model))
         self.ops.reset_sums(B.VAL_SUMS)
         self.val_source.start_epoch(0, self.cfg.data.resolution)
         self.run_steps(self.val_steps(), self.val_source)

@@ -58,6 +58,10 @@ def logical_shape(t) -> tuple:
     return (t.shape[0], *t.shape[2:], t.shape[1]) if t.dim() == 4 else tuple(t.shape)
 
 
+def bn_eps(model: nn.Module) -> set[float]:
+    return {m.eps for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+
+
 def first_conv(model: nn.Module) -> nn.Conv2d:
     """The conv that sees the input: the first Conv2d in module order."""
     return next(m for m in model.modules() if isinstance(m, nn.Conv2d))
@@ -153,6 +157,8 @@ def build_plans(model: nn.Module, config: PlanConfig, variants: list[Variant], n
     if config.fold_bn and any(m.weight is None or m.bias is None for m in model.modules()
                               if isinstance(m, nn.modules.batchnorm._BatchNorm)):
         raise PlanError("fold_bn needs every BatchNorm to be affine (a weight and a bias)")
+    if config.fold_bn and len(bn_eps(model)) > 1:
+        raise PlanError(f"fold_bn needs one eps for every BatchNorm, not {sorted(bn_eps(model))}")
     params, bns = classify(model)
     plans, tensors = {}, {}
     for v in variants:

@@ -62,7 +62,7 @@ class Program:
     @torch.no_grad()
     def _evaluate(self):
         self.model.eval()
-        use_statistics(self.model, self.tensors, self.arena, "prev")
+        use_statistics(self.model, self.tensors, self.arena, "folded" if self.arena.plan.config.fold_bn else "prev")
         try:
             z = tta.logits(self.forward, self.x, self.tta_level)
         finally:

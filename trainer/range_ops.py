@@ -178,6 +178,14 @@ class RangeOps:
         """BN_STATS: B_PREV = B_NEXT (the distributed version averages over ranks)."""
         self.b_prev.copy_(self.b_next)
 
+    def fold_bn(self, eps: float):
+        """FOLD_BN: W_EQ_SCALE = w / sqrt(var + eps), W_EQ_BIAS = b - mean * scale over every
+        BatchNorm at once (B_PREV, W_BN_* and W_EQ_* hold one slot per layer, aligned)."""
+        f = self.arena.flat
+        scale = f(R.W_BN_WEIGHT) * torch.rsqrt(f(R.B_PREV_VAR) + eps)
+        f(R.W_EQ_SCALE).copy_(scale)
+        f(R.W_EQ_BIAS).copy_(f(R.W_BN_BIAS) - f(R.B_PREV_MEAN) * scale)
+
     def sema_switch(self):
         """SEMA_SWITCH: exchange live and EMA weights, so that evaluation runs on the EMA
         weights through the same graphs and addresses; a second switch restores the live
