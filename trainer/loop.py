@@ -92,11 +92,13 @@ class Trainer:
         self.feeder.fill(BUFFERS[0], steps[0], source)
         for i, v in enumerate(steps):
             buf = BUFFERS[i % 2]
-            if i + 1 < len(steps):
-                self.feeder.fill(BUFFERS[(i + 1) % 2], steps[i + 1], source)
             self.feeder.acquire(buf)
             self.executor.run(v.name, buf)
             self.feeder.release(buf)
+            # The next batch is asked for only now: while the host waits for the loader
+            # (file reads, DALI), the device already has this step to run.
+            if i + 1 < len(steps):
+                self.feeder.fill(BUFFERS[(i + 1) % 2], steps[i + 1], source)
             if on_step is not None:
                 on_step(i, v)
 
