@@ -47,6 +47,16 @@ def bind(model: nn.Module, tensors: ModelTensors, arena: Arena) -> nn.Module:
     return model
 
 
+class FoldedForward:
+    """A BatchNorm folded for evaluation: x * scale + bias, from the W_EQ regions."""
+
+    def __init__(self, scale: torch.Tensor, bias: torch.Tensor):
+        self.scale, self.bias = scale.view(1, -1, 1, 1), bias.view(1, -1, 1, 1)
+
+    def __call__(self, x):
+        return torch.addcmul(self.bias.to(x.dtype), x, self.scale.to(x.dtype))
+
+
 def use_statistics(model: nn.Module, tensors: ModelTensors, arena: Arena, which: str):
     """Point BatchNorm at B_NEXT (what training updates), B_PREV (the rank-averaged copy
     that evaluation reads) or "folded": evaluation through W_EQ, each BatchNorm computing
@@ -55,10 +65,10 @@ def use_statistics(model: nn.Module, tensors: ModelTensors, arena: Arena, which:
     modules = dict(model.named_modules())
     for name, s in tensors.bn.items():
         bn = modules[name]
-        bn.__dict__.pop("forward", None)  # undo a folded forward
+        if isinstance(bn.__dict__.get("forward"), FoldedForward):
+            del bn.forward
         if which == "folded":
-            scale, bias = arena[s.eq_scale].view(1, -1, 1, 1), arena[s.eq_bias].view(1, -1, 1, 1)
-            bn.forward = lambda x, scale=scale, bias=bias: torch.addcmul(bias.to(x.dtype), x, scale.to(x.dtype))
+            bn.forward = FoldedForward(arena[s.eq_scale], arena[s.eq_bias])
             continue
         mean, var = (s.next_mean, s.next_var) if which == "next" else (s.prev_mean, s.prev_var)
         bn.running_mean, bn.running_var = arena[mean], arena[var]
