@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks behind docs/BENCHMARKS.md, by section:
 #   bash bench/gpu_suite.sh tests kernels r50 r50b64 r18 cifar1 ...
-# Logs go to $OUT (or ./gpu_logs). The CIFAR sections read $CIFAR (default .device/data/cifar10-jpeg.tgz).
+# Logs go to $OUT (or ./gpu_logs). The CIFAR sections read $CIFAR (default ../shared/data/cifar10-jpeg.tgz).
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
-CIFAR=${CIFAR:-.device/data/cifar10-jpeg.tgz}
+CIFAR=${CIFAR:-../shared/data/cifar10-jpeg.tgz}
 export PYTHONUNBUFFERED=1
 R50="model=resnet50 data.resolution=224 data.num_classes=1000 amp=true"
 section() {  # name, timeout, command...
