@@ -23,7 +23,6 @@ from trainer.future import TensorFuture
 from trainer.metrics import MetricsLog, Stopwatch, plot_curves, write_summary
 from trainer.plan import Baseline as B
 from trainer.regions import Region as R
-from trainer.schedule import steps_per_epoch
 from trainer.planner import bn_eps, first_conv
 from trainer.setup import assemble
 from trainer.whitening import whiten_first_conv
@@ -51,7 +50,7 @@ class Trainer:
         self.engine = e = assemble(cfg, self.device, dist.world, init, grad_sync_factory=dist.grad_sync_factory)
         dist.prepare(e)
         self.model, self.plans, self.arena, self.ops, self.executor = e.model, e.plans, e.arena, e.ops, e.executor
-        self.per_epoch = steps_per_epoch(self.train_source.size, t.batch_size, t.drop_last)
+        self.per_epoch = e.per_epoch
         self.total_steps = self.plans.main.config.schedule_steps
         self.feeder = DoubleBuffer(self.arena, self.plans.tensors)
         self.metrics = MetricsLog(run_dir, enabled=dist.is_main, log=log)

@@ -60,6 +60,7 @@ class Engine:
     ops: RangeOps
     programs: dict
     executor: Executor
+    per_epoch: int  # training steps of a full epoch on each rank
 
     def variant(self, name: str) -> Variant:
         return next(v for v in self.plans.variants if v.name == name)
@@ -95,4 +96,4 @@ def assemble(cfg: TrainConfig, device: torch.device, world: int = 1,
     programs = {(v.name, b): Program(v, b, model, plans.tensors[v.name], arena, ops, t.label_smoothing,
                                      cfg.data.tta, grad_sync, forward)
                 for v in plans.variants for b in BUFFERS}
-    return Engine(model, plans, arena, ops, programs, Executor(programs, arena, cfg.graphs))
+    return Engine(model, plans, arena, ops, programs, Executor(programs, arena, cfg.graphs), per_epoch)
