@@ -43,25 +43,29 @@ def adam_(w, g, m, v, lr, wd, beta1, beta2, eps, step, skip, decoupled: bool):
     _commit(skip, (w, w_dec - (lr / bias1) * m_new / denom), (m, m_new), (v, v_new))
 
 
-def _segment_squares(x, chunk_segment, segments: int):
-    """Sum of squares of each segment of x; chunk_segment maps each 128-element chunk to
-    its segment (tensor) index."""
-    sums = torch.zeros(segments, dtype=torch.float32, device=x.device)
-    return sums.index_add_(0, chunk_segment, x.view(-1, CHUNK).square().sum(1))
+def lars_norms_(w, g, norms, chunk_segment):
+    """Add each tensor's |w|^2 and |g|^2 into norms[:, 0] and norms[:, 1] (the N_ range as
+    (tensors, 128)); chunk_segment maps each 128-element chunk of w to its tensor. Squares,
+    so that the partial sums of a tensor's shards add up."""
+    norms[:, 0].index_add_(0, chunk_segment, w.view(-1, CHUNK).square().sum(1))
+    norms[:, 1].index_add_(0, chunk_segment, g.view(-1, CHUNK).square().sum(1))
 
 
-def lars_(w, g, m, norms, chunk_segment, lr, wd, momentum, eta, skip):
-    """MLPerf LARS on the weight block: per tensor trust = eta*|w| / (|g| + wd*|w|) (1 where
-    either norm is 0); m = mu*m + lr*trust*(g + wd*w); w -= m. norms is the N_ range as
-    (tensors, 128): column 0 gets |w|^2, column 1 |g|^2 (squares, so that partial sums over
-    shards of a tensor add up)."""
-    norms[:, 0].copy_(_segment_squares(w, chunk_segment, norms.shape[0]))
-    norms[:, 1].copy_(_segment_squares(g, chunk_segment, norms.shape[0]))
+def lars_apply_(w, g, m, norms, chunk_segment, lr, wd, momentum, eta, skip):
+    """MLPerf LARS from the squared norms: per tensor trust = eta*|w| / (|g| + wd*|w|) (1
+    where either norm is 0); m = mu*m + lr*trust*(g + wd*w); w -= m."""
     wn, gn = norms[:, 0].sqrt(), norms[:, 1].sqrt()
     trust = torch.where((wn > 0) & (gn > 0), eta * wn / (gn + wd * wn), torch.ones_like(wn))
     scaled = (lr * trust)[chunk_segment].unsqueeze(1)  # per chunk
     m_new = momentum * m + (scaled * (g + wd * w).view(-1, CHUNK)).view(-1)
     _commit(skip, (w, w - m_new), (m, m_new))
+
+
+def lars_(w, g, m, norms, chunk_segment, lr, wd, momentum, eta, skip):
+    """LARS on the weight block: the norms of every tensor, then the update."""
+    norms[:, :2].zero_()
+    lars_norms_(w, g, norms, chunk_segment)
+    lars_apply_(w, g, m, norms, chunk_segment, lr, wd, momentum, eta, skip)
 
 
 def lars_bias_(w, g, m, lr, wd, momentum, skip):

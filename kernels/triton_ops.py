@@ -168,14 +168,21 @@ def _lars_kernel(w_ptr, g_ptr, m_ptr, norms_ptr, norms_stride, seg_ptr, lr_ptr, 
     tl.store(w_ptr + offs, w - m, mask)
 
 
-def lars_(w, g, m, norms, chunk_segment, lr, wd, momentum, eta, skip):
-    """Three launches: zero the norms, sum squares per segment, update. Unlike the reference,
-    norms[:, 0:2] is left holding the squared norms |w|^2, |g|^2 (the update takes the root)."""
+def lars_norms_(w, g, norms, chunk_segment):
     assert w.numel() == chunk_segment.numel() * CHUNK
-    norms[:, :2].zero_()
     _launch(_lars_norms_kernel, w.numel(), w, g, norms, norms.stride(0), chunk_segment)
+
+
+def lars_apply_(w, g, m, norms, chunk_segment, lr, wd, momentum, eta, skip):
     _launch(_lars_kernel, w.numel(), w, g, m, norms, norms.stride(0), chunk_segment,
             lr, wd, momentum, eta, skip, TRUST=True)
+
+
+def lars_(w, g, m, norms, chunk_segment, lr, wd, momentum, eta, skip):
+    """Three launches: zero the norms, sum squares per segment, update."""
+    norms[:, :2].zero_()
+    lars_norms_(w, g, norms, chunk_segment)
+    lars_apply_(w, g, m, norms, chunk_segment, lr, wd, momentum, eta, skip)
 
 
 def lars_bias_(w, g, m, lr, wd, momentum, skip):

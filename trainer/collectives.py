@@ -243,14 +243,14 @@ class ShardedUpdate:
         next share's update."""
         s, opt, skip, mu = ops.s, ops.config.optimizer, ops.s[B.OVERFLOW], ops.s[B.MOMENTUM]
         if opt == "lars":
-            self._lars_norms(ops.norms)
+            self._lars_norms(ops)
         for sh in self.shares:
             lr, wd = (s[B.LR_WEIGHT], s[B.WEIGHT_DECAY]) if sh.weight_block else (s[B.LR_BIAS], s[B.WEIGHT_DECAY_BIAS])
             if opt in ("adam", "adamw"):
                 ops.k.adam_(sh.w, sh.g, sh.m, sh.v, lr, wd, s[B.BETA1], s[B.BETA2], s[B.EPS], s[B.OPT_STEP],
                             skip, opt == "adamw")
-            elif opt == "lars" and sh.weight_block:
-                _lars_share_(sh, ops.norms, lr, wd, mu, s[B.LARS_ETA], skip)
+            elif opt == "lars" and sh.weight_block:  # from the whole tensors' norms
+                ops.k.lars_apply_(sh.w, sh.g, sh.m, ops.norms, sh.segments, lr, wd, mu, s[B.LARS_ETA], skip)
             elif opt == "lars":
                 ops.k.lars_bias_(sh.w, sh.g, sh.m, lr, wd, mu, skip)
             else:
@@ -259,24 +259,11 @@ class ShardedUpdate:
                 self.comm.gather_shares_(sh.unit_w)
         self.comm.join()
 
-    def _lars_norms(self, norms: torch.Tensor):
+    def _lars_norms(self, ops: RangeOps):
         """N_: per tensor |w|^2 and |g|^2 summed over this rank's shares, then over ranks, so
         every rank has the whole tensors' norms its shares' trust ratios need."""
-        norms.zero_()
+        ops.norms[:, :2].zero_()
         for sh in self.shares:
             if sh.segments is not None:
-                norms[:, 0].index_add_(0, sh.segments, sh.w.view(-1, CHUNK).square().sum(1))
-                norms[:, 1].index_add_(0, sh.segments, sh.g.view(-1, CHUNK).square().sum(1))
-        self.comm.sum_(norms.view(-1))
-
-
-def _lars_share_(sh: Share, norms, lr, wd, momentum, eta, skip):
-    """kernels.reference.lars_ on one share, from the squared norms of the whole tensors.
-    (The kernels compute norms from what they update, which here is only a share.)"""
-    wn, gn = norms[:, 0].sqrt(), norms[:, 1].sqrt()
-    trust = torch.where((wn > 0) & (gn > 0), eta * wn / (gn + wd * wn), torch.ones_like(wn))
-    scaled = (lr * trust)[sh.segments].unsqueeze(1)
-    m_new = momentum * sh.m + (scaled * (sh.g + wd * sh.w).view(-1, CHUNK)).view(-1)
-    keep = skip.bool()
-    sh.w.copy_(torch.where(keep, sh.w, sh.w - m_new))
-    sh.m.copy_(torch.where(keep, sh.m, m_new))
+                ops.k.lars_norms_(sh.w, sh.g, ops.norms, sh.segments)
+        self.comm.sum_(ops.norms.view(-1))
