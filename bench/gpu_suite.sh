@@ -30,6 +30,8 @@ for s in "$@"; do case $s in
           python3 bench/seeds.py $OUT/cifar5;;
   r18c) section r18c 200 python3 run.py mode=bench model=resnet18_cifar data.resolution=32 amp=true trainer.batch_size=512 "bench.baselines=[eager_bf16,eager_fp16]" compile=true hydra.run.dir=$OUT/r18c;;
   r50b64c) section r50b64c 200 python3 run.py mode=bench $R50 trainer.batch_size=64 "bench.baselines=[eager_bf16]" compile=true hydra.run.dir=$OUT/r50b64c;;
+  cifar5c) section cifar5 420 python3 run.py -m +experiment=cifar10_speed compile=true data.root=$CIFAR trainer.seed=0,1,2,3,4 hydra.sweep.dir=$OUT/cifar5
+          python3 bench/seeds.py $OUT/cifar5;;
   cifar5) section cifar5 300 python3 run.py -m +experiment=cifar10_speed data.root=$CIFAR trainer.seed=0,1,2,3,4 hydra.sweep.dir=$OUT/cifar5
           python3 bench/seeds.py $OUT/cifar5;;
   resnet18) section resnet18 240 python3 run.py +experiment=cifar10_resnet18 data.root=$CIFAR hydra.run.dir=$OUT/resnet18;;

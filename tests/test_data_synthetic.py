@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 import torch
 
+from tests.helpers import serve
 from trainer.config import DataConfig, TrainConfig, TrainerConfig
 from trainer.data import build_sources
+from trainer.data.dali import IN_FLIGHT
 from trainer.data.synthetic import generate
 from trainer.models import FastNet
 
@@ -96,6 +98,15 @@ def test_unfinished_epoch_last_partial_batch_and_low_resolution():
         labels += label.tolist()
         assert data.abs().sum() > 0
     assert np.bincount(labels).tolist() == [10] * 10  # each of the 100 examples once
+
+
+def test_epochs_shorter_than_the_prefetch_depth():
+    # DALI's first run starts IN_FLIGHT iterations at once: a 2-batch epoch must not wait for a third
+    assert IN_FLIGHT > 2
+    train, _ = build_sources(config(train_size=40, batch=32, drop_last=False), CPU, 0, 1, None)
+    for epoch in range(3):
+        labels = [lab for _, label, _ in serve(train, (32, 8), 16, epoch=epoch) for lab in label.tolist()]
+        assert np.bincount(labels).tolist() == [4] * 10
 
 
 @pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])

@@ -6,8 +6,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+import kernels.reference as reference
 from tests.helpers import bound, hyper, small_cnn
 from trainer.plan import Baseline as B
+from trainer.range_ops import RangeOps
 from trainer.regions import Region as R
 
 STEPS = 20
@@ -135,7 +137,7 @@ POISON_CASES = {
                      [(R.W_BN_BIAS, R.W_DEEP_CONV), (R.M_BN_BIAS, R.M_DEEP_CONV), (R.V_BN_BIAS, R.V_DEEP_CONV)]),
     "update_lars": (dict(optimizer="lars"), lambda ops: ops.update(),
                     [(R.W_BN_BIAS, R.W_DEEP_CONV), (R.M_BN_BIAS, R.M_DEEP_CONV), (R.N_FC_WEIGHT, R.N_DEEP_CONV)]),
-    "ema": (dict(ema=True), lambda ops: ops.ema(), [(R.E_BN_BIAS, R.E_DEEP_CONV)]),
+    "ema": (dict(ema=True), lambda ops: ops.ema(), [(R.E_BN_BIAS, R.E_DEEP_CONV), (R.B_PREV_MEAN, R.B_PREV_VAR)]),
     "bn_stats": (dict(), lambda ops: ops.bn_stats_to_prev(), [(R.B_PREV_MEAN, R.B_PREV_VAR)]),
 }
 
@@ -244,6 +246,33 @@ def test_short_run_lowers_the_loss(name):
         losses.append(F.cross_entropy(model(x), y).item())
         arena_step(model, ops, x, y)
     assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5, f"{name}: {losses[0]:.3f} -> {losses[-1]:.3f}"
+
+
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_ema_averages_the_bn_statistics_and_lookahead_resets_them(lookahead):
+    model = small_cnn()
+    plans, arena, _ = bound(model, ema=True)
+    ops = RangeOps(plans.main, arena, reference, ema_every=2, lookahead=lookahead)
+    ops.init_scalars(hyper(), [0.05] * STEPS, 1.0)
+    ops.set_ema_decay(0.8)
+    stats = arena.flat(R.B_NEXT_MEAN, R.B_NEXT_VAR)
+    average = stats.double().clone()
+    for step, (x, y) in enumerate(batches(6)):  # the program's order: update, ema, advance
+        ops.schedule()
+        ops.clear_grads()
+        F.cross_entropy(model(x), y).backward()
+        ops.update()
+        live = stats.double().clone()
+        ops.ema()
+        if step % 2 == 0:  # due every 2nd step, with the decay raised to that power
+            average = 0.8 ** 2 * average + (1 - 0.8 ** 2) * live
+            if lookahead:
+                torch.testing.assert_close(stats.double(), average, rtol=1e-6, atol=1e-7)
+        ops.advance()
+    torch.testing.assert_close(arena.flat(R.B_PREV_MEAN, R.B_PREV_VAR).double(), average, rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(stats.double(), average) or lookahead
+    ops.bn_stats_to_prev()  # evaluation keeps the average
+    torch.testing.assert_close(arena.flat(R.B_PREV_MEAN, R.B_PREV_VAR).double(), average, rtol=1e-6, atol=1e-7)
 
 
 def test_sema_switch_is_an_exact_involution_and_evaluates_ema_weights():

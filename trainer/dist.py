@@ -74,7 +74,8 @@ class Dist:
                               "amp, batch size, data sizes, dist.* settings).")
 
     def average_bn(self, ops):
-        """BN_STATS_ALLREDUCE: B_PREV = the mean over ranks of B_NEXT."""
+        """BN_STATS_ALLREDUCE: B_PREV = the mean over ranks of B_NEXT (of B_PREV, the
+        statistics' average, under EMA)."""
         ops.bn_stats_to_prev()
         if self.comm is not None:
             self.comm.mean_(ops.b_prev)
@@ -86,13 +87,15 @@ class Dist:
 
     def gather_per_rank(self, arena: Arena) -> dict:
         """Every rank's bytes, rank after rank, of the regions that differ between ranks: the
-        BN statistics of its own batches (B_NEXT) and, sharded, its share of the moments. For
+        BN statistics of its own batches (B_NEXT, and their average B_PREV under EMA) and,
+        sharded, its share of the moments. For
         a checkpoint that rank 0 writes whole; every rank must call it."""
         if self.comm is None:
             return {}
         plan, out = arena.plan, {}
         for r in R:
-            if (r in (R.B_NEXT_MEAN, R.B_NEXT_VAR) or plan.config.sharded(r)) and plan.region_bytes(r):
+            own_stats = (R.B_NEXT_MEAN, R.B_NEXT_VAR) + ((R.B_PREV_MEAN, R.B_PREV_VAR) if plan.config.ema else ())
+            if (r in own_stats or plan.config.sharded(r)) and plan.region_bytes(r):
                 offset, nbytes = plan.range(r)
                 every = torch.empty(self.world * nbytes, dtype=torch.uint8, device=arena.device)
                 td.all_gather_into_tensor(every, arena.storage[offset:offset + nbytes])

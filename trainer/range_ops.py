@@ -146,7 +146,9 @@ class RangeOps:
 
     def ema(self):
         """EMA_PARAM_UPDATE every ema_every steps (decay raised to that power); with
-        lookahead the model then continues from the averaged weights."""
+        lookahead the model then continues from the averaged weights. The BN statistics
+        average along in B_PREV, which evaluation reads: EMA weights are evaluated with the
+        statistics of EMA weights, and lookahead resets the running statistics with them."""
         s = self.s
         due = (s[B.STEP] % self.ema_every) == 0
         decay = s[B.EMA_DECAY] ** self.ema_every
@@ -155,8 +157,10 @@ class RangeOps:
             decay = decay * progress ** self.ema_warmup_power
         decay = torch.where(due, decay, torch.ones_like(decay))
         self.k.ema_(self.e_all, self.w_all, decay)
+        self.k.ema_(self.b_prev, self.b_next, decay)
         if self.lookahead:
             self.w_all.copy_(torch.where(due, self.e_all, self.w_all))
+            self.b_next.copy_(torch.where(due, self.b_prev, self.b_next))
 
     def cast_weights(self):
         """CAST fp32 -> half: the compute copy of the whole weight block in one pass."""
@@ -175,8 +179,10 @@ class RangeOps:
 
     # -- between epochs -------------------------------------------------------------
     def bn_stats_to_prev(self):
-        """BN_STATS: B_PREV = B_NEXT (the distributed version averages over ranks)."""
-        self.b_prev.copy_(self.b_next)
+        """BN_STATS: B_PREV = B_NEXT (the distributed version averages over ranks). Under
+        EMA, B_PREV already holds the statistics' average and keeps it."""
+        if not self.config.ema:
+            self.b_prev.copy_(self.b_next)
 
     def fold_bn(self, eps: float):
         """FOLD_BN: W_EQ_SCALE = w / sqrt(var + eps), W_EQ_BIAS = b - mean * scale over every

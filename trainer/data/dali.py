@@ -14,7 +14,8 @@ from trainer.data.jpeg_files import decode_error
 from trainer.data.source import DALI_SEED, EpochPlan, Shard, flips, on, rng
 from trainer.errors import DataError
 
-# Iterations DALI works on ahead of the loop: enough that fill() finds its batch ready.
+# Iterations DALI works on ahead of the loop (its prefetch queue depth): enough that
+# reading, decoding and augmenting overlap one another and fill() finds its batch ready.
 IN_FLIGHT = 3
 
 
@@ -24,11 +25,11 @@ def gpu_id(device: torch.device) -> int | None:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def new_pipeline(device: torch.device, threads: int, batch: int, seed: int) -> Pipeline:
-    # prefetch_queue_depth=1: we schedule iterations ahead ourselves (IN_FLIGHT), so DALI's
-    # own first-run prefetch, which wants that many batches fed at once, stays out of the way.
+def new_pipeline(device: torch.device, threads: int, batch: int, seed: int, depth: int = 1) -> Pipeline:
+    """depth: iterations in flight. DALI's first run of a pipeline starts all `depth` of them
+    at once, so their inputs must all be fed before it (DaliSource._schedule does)."""
     return Pipeline(batch_size=batch, num_threads=threads, device_id=gpu_id(device), seed=seed,
-                    prefetch_queue_depth=1, exec_dynamic=True)
+                    prefetch_queue_depth=depth, exec_dynamic=True)
 
 
 def decode_all(names: list[str], encoded: list[np.ndarray], device: torch.device, threads: int,
@@ -63,9 +64,9 @@ class DaliSource:
     """A Source whose batches come from a DALI pipeline, one pipeline per resolution.
 
     Subclasses give the data: `labels` (int32 per example), `graph(resolution, augment)`
-    (the operators from the external source named "images" to HWC uint8 images of at
-    least resolution x resolution) and `inputs(examples, augment)` (what to feed for those
-    examples: "images" and whatever else their graph reads). Here: the order, the flips,
+    (the operators from their external sources to HWC uint8 images of at least
+    resolution x resolution) and `inputs(examples, augment)` (what to feed those external
+    sources for these examples, by name). Here: the order, the flips,
     normalization to the arena's dtype and layout, and the copy into the arena.
     """
 
@@ -81,8 +82,9 @@ class DaliSource:
         self._pipe: Pipeline | None = None
         self._plan: EpochPlan | None = None
         self._flips = np.zeros(0, bool)
-        self._in_flight: deque[np.ndarray] = deque()  # examples of the scheduled iterations
+        self._in_flight: deque[np.ndarray] = deque()  # examples of the fed iterations
         self._scheduled = 0
+        self._running: set[Pipeline] = set()  # pipelines past their first (prefetching) run
 
     def graph(self, resolution: int, augment: bool):
         raise NotImplementedError
@@ -93,9 +95,9 @@ class DaliSource:
     def decode_error(self, examples: np.ndarray, error: RuntimeError) -> Exception:
         return error
 
-    def _build(self, resolution: int, augment: bool, dtype, pad: bool) -> Pipeline:
+    def _build(self, resolution: int, augment: bool, dtype, pad: bool, depth: int = 1) -> Pipeline:
         pipe = new_pipeline(self.device, self.d.threads, max(self.shard.batches, default=1),
-                            int(rng(self.seed, DALI_SEED, self.shard.rank, resolution).integers(2**31)))
+                            int(rng(self.seed, DALI_SEED, self.shard.rank, resolution).integers(2**31)), depth)
         with pipe:
             images = self.graph(resolution, augment)
             mirror = fn.external_source(name="flip", dtype=types.INT32) if augment else 0
@@ -119,7 +121,6 @@ class DaliSource:
             feeds["flip"] = self._flips[examples].astype(np.int32)
         for name, value in feeds.items():
             pipe.feed_input(name, value)
-        pipe.schedule_run()
 
     def start_epoch(self, epoch: int, resolution: int) -> None:
         # An epoch left unfinished (a fractional last epoch) leaves iterations in flight:
@@ -127,13 +128,16 @@ class DaliSource:
         while self._in_flight:
             self._in_flight.popleft()
             self._pipe.outputs()
+        self._plan = self.shard.epoch(self.seed, epoch)
         if resolution not in self._pipes:
             # fp16 goes straight into the arena (4 channels, the 4th zero); DALI has no
             # bfloat16, so bf16 takes an fp16 detour through a staging tensor in fill().
             dtype = types.FLOAT16 if self.half is not None else types.FLOAT
-            self._pipes[resolution] = self._build(resolution, self.augment, dtype, pad=self.half is not None)
+            # every epoch at one resolution has as many batches as this one: the first run's
+            # prefetch never waits for more than an epoch holds
+            depth = max(1, min(IN_FLIGHT, len(self._plan)))
+            self._pipes[resolution] = self._build(resolution, self.augment, dtype, self.half is not None, depth)
         self._pipe = self._pipes[resolution]
-        self._plan = self.shard.epoch(self.seed, epoch)
         self._flips = flips(self.d.flip, self.shard.total, self.seed, epoch)
         self._scheduled = 0
         while self._scheduled < min(IN_FLIGHT, len(self._plan)):
@@ -145,13 +149,16 @@ class DaliSource:
         self._feed(self._pipe, examples, self._plan.real[span], self.augment)
         self._in_flight.append(examples)
         self._scheduled += 1
+        if self._pipe in self._running:
+            self._pipe.schedule_run()
+        elif len(self._in_flight) == self._pipe.prefetch_queue_depth:
+            self._pipe.schedule_run()  # the first run: starts every fed iteration
+            self._running.add(self._pipe)
 
     def fill(self, data: torch.Tensor, label: torch.Tensor, mask: torch.Tensor | None, stream) -> None:
         if not data.is_contiguous():
             raise ValueError(f"fill() writes raw NHWC bytes: data must be contiguous, not strides {data.stride()}")
         self._plan.take(len(data))
-        if self._scheduled < len(self._plan):
-            self._schedule()
         examples = self._in_flight.popleft()
         stream = stream if self.gpu else None
         try:
@@ -169,6 +176,9 @@ class DaliSource:
             feed_ndarray(labels.as_tensor(), label, cuda_stream=stream)
             if mask is not None:
                 feed_ndarray(masks.as_tensor(), mask, cuda_stream=stream)
+        # its slot in DALI's queue is free again: start the iteration after the last in flight
+        if self._scheduled < len(self._plan):
+            self._schedule()
 
     def peek(self, n: int) -> torch.Tensor:
         pipe = self._build(self.d.resolution, False, types.FLOAT, pad=False)
@@ -178,6 +188,7 @@ class DaliSource:
         for start in range(0, len(examples), step):
             chunk = examples[start:start + step]
             self._feed(pipe, chunk, np.ones(len(chunk), bool), augment=False)
+            pipe.schedule_run()
             try:
                 images = pipe.outputs()[0]
             except RuntimeError as e:

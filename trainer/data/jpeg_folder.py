@@ -2,10 +2,10 @@
 
 Training: random-resized crop (decoded only inside the crop) and flip; evaluation: resize
 the short side to resolution * data.val_resize and take the center. Decoding runs on the
-GPU where there is one (device="mixed"). The host reads the files' bytes in the epoch's
-order and feeds them, `IN_FLIGHT` batches ahead of the loop.
+GPU where there is one (device="mixed"). The host feeds the files' paths in the epoch's
+order, `IN_FLIGHT` batches ahead of the loop; DALI's threads read them, so neither the
+file reads nor their bytes pass through Python.
 """
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -32,10 +32,10 @@ class JpegFolderSource(DaliSource):
                  seed: int, device: torch.device, half: torch.dtype | None, augment: bool):
         super().__init__(shard, num_classes, IMAGENET_MEAN, IMAGENET_STD, d, seed, device, half, augment)
         self.files, self.labels = files, labels
-        self._readers = ThreadPoolExecutor(d.threads)  # file reads release the GIL
+        self.paths = [np.frombuffer(f.encode(), np.uint8) for f in files]  # as fn.io.file.read takes them
 
     def graph(self, resolution: int, augment: bool):
-        jpegs = fn.external_source(name="images", dtype=types.UINT8)
+        jpegs = fn.io.file.read(fn.external_source(name="paths", dtype=types.UINT8))
         decoder = "mixed" if self.gpu else "cpu"
         if augment:
             images = fn.decoders.image_random_crop(jpegs, device=decoder, output_type=types.RGB,
@@ -46,7 +46,7 @@ class JpegFolderSource(DaliSource):
         return fn.resize(images, resize_shorter=resolution * self.d.val_resize)
 
     def inputs(self, examples: np.ndarray, augment: bool) -> dict:
-        return {"images": list(self._readers.map(read, [self.files[i] for i in examples]))}
+        return {"paths": [self.paths[i] for i in examples]}
 
     def decode_error(self, examples: np.ndarray, error: RuntimeError) -> Exception:
         names = [self.files[i] for i in examples]
