@@ -38,5 +38,6 @@ for s in "$@"; do case $s in
   loader) python3 -m trainer.data.make_jpeg_tree /tmp/tree --classes 100 --per-class 130 --val-per-class 10 > /dev/null
           section loader 200 python3 bench/loader_bench.py data.root=/tmp/tree;;
   loader8) section loader8 200 python3 bench/loader_bench.py data.root=/tmp/tree data.threads=8;;
+  loadersplit) for f in 0.5 0.7 0.0; do section loader_host$f 150 python3 bench/loader_bench.py data.root=/tmp/tree data.host_decode=$f; done;;
   *) echo "unknown section $s";;
 esac; done

@@ -73,9 +73,11 @@ def test_synthetic_through_dali_on_the_gpu_matches_the_cpu(half):
     torch.testing.assert_close(gpu_train.peek(16).cpu(), cpu_train.peek(16), atol=1e-3, rtol=0)
 
 
+@pytest.mark.parametrize("host_decode", [0.0, 0.5])
 @pytest.mark.parametrize("half", HALVES)
-def test_jpeg_folders_decoded_on_the_gpu_keep_their_labels(tree, half):
-    train, val = build_sources(folder_config(tree, batch=4, val_batch=4, drop_last=False), CUDA, 0, 1, half)
+def test_jpeg_folders_decoded_on_the_gpu_keep_their_labels(tree, half, host_decode):
+    train, val = build_sources(folder_config(tree, batch=4, val_batch=4, drop_last=False, host_decode=host_decode),
+                               CUDA, 0, 1, half)
     for source, sizes, resolution in ((train, (4, 4, 4, 3), 16), (train, (4, 4, 4, 3), 24), (val, (4, 2), 24)):
         for data, label, mask in run_epoch(source, sizes, resolution, half, CUDA):
             assert [LABEL_OF_COLOR[c] for c in colors_of(data)] == label.tolist()
@@ -86,6 +88,6 @@ def test_jpeg_folders_decoded_on_the_gpu_keep_their_labels(tree, half):
 def test_a_file_the_gpu_decoder_cannot_decode_is_named(tree):
     bad = tree / "train" / "mango" / "1.jpg"
     bad.write_bytes(b"\xff\xd8" + bytes(range(256)) * 4 + b"\xff\xd9")
-    train, _ = build_sources(folder_config(tree, batch=15), CUDA, 0, 1, None)
+    train, _ = build_sources(folder_config(tree, batch=15, host_decode=0.0), CUDA, 0, 1, None)
     with pytest.raises(DataError, match=f"corrupt JPEG {bad}"):
         run_epoch(train, (15,), 24, None, CUDA)

@@ -49,10 +49,13 @@ def colors_of(data: torch.Tensor) -> list[tuple[int, ...]]:
     return [tuple(palette[i].int().tolist()) for i in nearest]
 
 
-def test_labels_follow_the_sorted_class_folders(tree):
-    train, val = build_sources(config(tree, batch=5, val_batch=3, drop_last=False), CPU, 0, 1, None)
-    assert (train.size, val.size, train.num_classes) == (15, 6, 3)
-    for source, sizes in ((train, (5, 5, 5)), (val, (3, 3))):
+@pytest.mark.parametrize("host_decode, parts", [(0.0, 1), (0.5, 2), (1.0, 1)])
+def test_labels_follow_the_sorted_class_folders(tree, host_decode, parts):
+    # batches of 7, 7 and 1: split between the host and the device decoders, the last made by both
+    train, val = build_sources(config(tree, batch=7, val_batch=3, drop_last=False, host_decode=host_decode),
+                               CPU, 0, 1, None)
+    assert (train.size, val.size, train.num_classes, train.parts) == (15, 6, 3, parts)
+    for source, sizes in ((train, (7, 7, 1)), (val, (3, 3))):
         batches = serve(source, sizes, 24, mask=source is val)
         labels = [lab for _, label, _ in batches for lab in label.tolist()]
         colors = [c for data, _, _ in batches for c in colors_of(data)]

@@ -46,6 +46,7 @@ BAD = {
     "unknown-optimizer-group": (["optimizer=foo"], "optimizer/foo", False),
     "misspelled-key": (["trainer.bach_size=3"], "bach_size", False),
     "negative-batch-size": (["trainer.batch_size=-3"], "trainer.batch_size=-3", True),
+    "host-decode-share-above-one": (["data.host_decode=1.5"], "data.host_decode=1.5 must lie in [0, 1]", True),
 }
 
 

@@ -61,6 +61,7 @@ class DataConfig:
     val_resize: float = 1.14  # imagefolder evaluation: resize the short side to resolution*this, center crop
     min_crop_area: float = 0.25  # imagefolder training: random-resized crop area range [this, 1]
     threads: int = 0  # DALI decoding and file-reading threads per rank; 0: the cores shared among local ranks
+    host_decode: float = 0.6  # imagefolder on a GPU: the share of each batch decoded by the CPU, the rest by the GPU
     check_files: bool = True  # imagefolder: look at both ends of every JPEG before training (seconds per million files)
     seed_offset: int = 0
     tta: int = 0  # evaluation views: 0 none, 1 flip, 2 flip and one-pixel translations
@@ -156,6 +157,7 @@ _NON_NEGATIVE = ("optimizer.lr", "trainer.ema_warmup_power", "data.threads", "op
                  "data.crop_padding", "bench.warmup", "optimizer.nominal_batch", "data.tta")
 _FRACTIONS = ("optimizer.momentum", "optimizer.beta2", "ema_decay", "trainer.label_smoothing",
               "schedule.final_fraction", "schedule.warmup_start_fraction", "data.min_crop_area")
+_CLOSED_FRACTIONS = ("data.host_decode",)
 
 
 def _get(cfg, dotted: str):
@@ -178,6 +180,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for key in _FRACTIONS:
         if not 0 <= _get(cfg, key) < 1 or (key == "data.min_crop_area" and _get(cfg, key) == 0):
             raise ConfigError(f"{key}={_get(cfg, key)} must lie in [0, 1)")
+    for key in _CLOSED_FRACTIONS:
+        if not 0 <= _get(cfg, key) <= 1:
+            raise ConfigError(f"{key}={_get(cfg, key)} must lie in [0, 1]")
     t = cfg.trainer
     if t.lowres_epochs and not 0 < t.lowres_resolution <= cfg.data.resolution:
         raise ConfigError(f"trainer.lowres_epochs={t.lowres_epochs} needs trainer.lowres_resolution in "

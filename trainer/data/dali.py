@@ -61,16 +61,19 @@ def decode_all(names: list[str], encoded: list[np.ndarray], device: torch.device
 
 
 class DaliSource:
-    """A Source whose batches come from a DALI pipeline, one pipeline per resolution.
+    """A Source whose batches come from DALI pipelines: per resolution, one pipeline for each
+    part of a batch (one part, unless a subclass splits the work, as JPEG folders split
+    decoding between the host and the GPU).
 
-    Subclasses give the data: `labels` (int32 per example), `graph(resolution, augment)`
-    (the operators from their external sources to HWC uint8 images of at least
-    resolution x resolution) and `inputs(examples, augment)` (what to feed those external
-    sources for these examples, by name). Here: the order, the flips,
-    normalization to the arena's dtype and layout, and the copy into the arena.
+    Subclasses give the data: `labels` (int32 per example), `graph(resolution, augment,
+    part)` (the operators from their external sources to HWC uint8 images of at least
+    resolution x resolution, on the GPU where there is one) and `inputs(examples, augment)`
+    (what to feed those external sources for these examples, by name). Here: the order,
+    the flips, normalization to the arena's dtype and layout, and the copy into the arena.
     """
 
     labels: np.ndarray
+    parts = 1
 
     def __init__(self, shard: Shard, num_classes: int, mean, std, d: DataConfig, seed: int,
                  device: torch.device, half: torch.dtype | None, augment: bool):
@@ -78,15 +81,15 @@ class DaliSource:
         self.mean, self.std = [255 * m for m in mean], [255 * s for s in std]
         self.d, self.seed, self.device, self.half, self.augment = d, seed, device, half, augment
         self.gpu = device.type == "cuda"
-        self._pipes: dict[int, Pipeline] = {}
-        self._pipe: Pipeline | None = None
+        self._pipes: dict[int, list[Pipeline]] = {}
+        self._pipe: list[Pipeline] = []  # this epoch's pipelines, one per part
         self._plan: EpochPlan | None = None
         self._flips = np.zeros(0, bool)
         self._in_flight: deque[np.ndarray] = deque()  # examples of the fed iterations
         self._scheduled = 0
         self._running: set[Pipeline] = set()  # pipelines past their first (prefetching) run
 
-    def graph(self, resolution: int, augment: bool):
+    def graph(self, resolution: int, augment: bool, part: int):
         raise NotImplementedError
 
     def inputs(self, examples: np.ndarray, augment: bool) -> dict:
@@ -95,11 +98,19 @@ class DaliSource:
     def decode_error(self, examples: np.ndarray, error: RuntimeError) -> Exception:
         return error
 
-    def _build(self, resolution: int, augment: bool, dtype, pad: bool, depth: int = 1) -> Pipeline:
-        pipe = new_pipeline(self.device, self.d.threads, max(self.shard.batches, default=1),
-                            int(rng(self.seed, DALI_SEED, self.shard.rank, resolution).integers(2**31)), depth)
+    def part_slices(self, n: int) -> list[slice]:
+        """The rows of a batch of n that each part makes."""
+        return [slice(0, n)]
+
+    def part_threads(self, part: int) -> int:
+        return self.d.threads
+
+    def _build(self, resolution: int, augment: bool, dtype, pad: bool, part: int, depth: int = 1) -> Pipeline:
+        rows = self.part_slices(max(self.shard.batches, default=1))[part]
+        pipe = new_pipeline(self.device, self.part_threads(part), rows.stop - rows.start,
+                            int(rng(self.seed, DALI_SEED, self.shard.rank, resolution, part).integers(2**31)), depth)
         with pipe:
-            images = self.graph(resolution, augment)
+            images = self.graph(resolution, augment, part)
             mirror = fn.external_source(name="flip", dtype=types.INT32) if augment else 0
             # crop: the center resolution x resolution (a no-op where the graph made it exact)
             images = fn.crop_mirror_normalize(images, crop=(resolution, resolution), mirror=mirror,
@@ -127,7 +138,8 @@ class DaliSource:
         # collect them, or the next epoch would begin with the old epoch's batches.
         while self._in_flight:
             self._in_flight.popleft()
-            self._pipe.outputs()
+            for pipe in self._pipe:
+                pipe.outputs()
         self._plan = self.shard.epoch(self.seed, epoch)
         if resolution not in self._pipes:
             # fp16 goes straight into the arena (4 channels, the 4th zero); DALI has no
@@ -136,7 +148,8 @@ class DaliSource:
             # every epoch at one resolution has as many batches as this one: the first run's
             # prefetch never waits for more than an epoch holds
             depth = max(1, min(IN_FLIGHT, len(self._plan)))
-            self._pipes[resolution] = self._build(resolution, self.augment, dtype, self.half is not None, depth)
+            self._pipes[resolution] = [self._build(resolution, self.augment, dtype, self.half is not None, part, depth)
+                                       for part in range(self.parts)]
         self._pipe = self._pipes[resolution]
         self._flips = flips(self.d.flip, self.shard.total, self.seed, epoch)
         self._scheduled = 0
@@ -145,15 +158,16 @@ class DaliSource:
 
     def _schedule(self) -> None:
         span = self._plan.span(self._scheduled)
-        examples = self._plan.examples[span]
-        self._feed(self._pipe, examples, self._plan.real[span], self.augment)
+        examples, real = self._plan.examples[span], self._plan.real[span]
         self._in_flight.append(examples)
         self._scheduled += 1
-        if self._pipe in self._running:
-            self._pipe.schedule_run()
-        elif len(self._in_flight) == self._pipe.prefetch_queue_depth:
-            self._pipe.schedule_run()  # the first run: starts every fed iteration
-            self._running.add(self._pipe)
+        for pipe, rows in zip(self._pipe, self.part_slices(len(examples))):
+            self._feed(pipe, examples[rows], real[rows], self.augment)
+            if pipe in self._running:
+                pipe.schedule_run()
+            elif len(self._in_flight) == pipe.prefetch_queue_depth:
+                pipe.schedule_run()  # the first run: starts every fed iteration
+                self._running.add(pipe)
 
     def fill(self, data: torch.Tensor, label: torch.Tensor, mask: torch.Tensor | None, stream) -> None:
         if not data.is_contiguous():
@@ -161,27 +175,28 @@ class DaliSource:
         self._plan.take(len(data))
         examples = self._in_flight.popleft()
         stream = stream if self.gpu else None
-        try:
-            # bound to `stream`: the copies below wait for DALI on the device, not the host
-            images, labels, masks = self._pipe.outputs(cuda_stream=stream)
-        except RuntimeError as e:
-            raise self.decode_error(examples, e) from e
-        with on(stream, data):
-            if data.dtype == torch.bfloat16:
-                staging = torch.empty(data.shape, dtype=torch.float16, device=data.device)
-                feed_ndarray(images.as_tensor(), staging, cuda_stream=stream)
-                data.copy_(staging)
-            else:
-                feed_ndarray(images.as_tensor(), data, cuda_stream=stream)
-            feed_ndarray(labels.as_tensor(), label, cuda_stream=stream)
-            if mask is not None:
-                feed_ndarray(masks.as_tensor(), mask, cuda_stream=stream)
-        # its slot in DALI's queue is free again: start the iteration after the last in flight
+        for pipe, rows in zip(self._pipe, self.part_slices(len(data))):
+            try:
+                # bound to `stream`: the copies below wait for DALI on the device, not the host
+                images, labels, masks = pipe.outputs(cuda_stream=stream)
+            except RuntimeError as e:
+                raise self.decode_error(examples[rows], e) from e
+            with on(stream, data):
+                if data.dtype == torch.bfloat16:
+                    staging = torch.empty(data[rows].shape, dtype=torch.float16, device=data.device)
+                    feed_ndarray(images.as_tensor(), staging, cuda_stream=stream)
+                    data[rows].copy_(staging)
+                else:
+                    feed_ndarray(images.as_tensor(), data[rows], cuda_stream=stream)
+                feed_ndarray(labels.as_tensor(), label[rows], cuda_stream=stream)
+                if mask is not None:
+                    feed_ndarray(masks.as_tensor(), mask[rows], cuda_stream=stream)
+        # its slot in DALI's queues is free again: start the iteration after the last in flight
         if self._scheduled < len(self._plan):
             self._schedule()
 
     def peek(self, n: int) -> torch.Tensor:
-        pipe = self._build(self.d.resolution, False, types.FLOAT, pad=False)
+        pipe = self._build(self.d.resolution, False, types.FLOAT, pad=False, part=self.parts - 1)
         examples = self.shard.order(self.seed, 0)[:n] % self.shard.total
         out = torch.empty((len(examples), self.d.resolution, self.d.resolution, 3), device=self.device)
         step = pipe.max_batch_size

@@ -1,10 +1,16 @@
 """Folders of JPEGs per class (root/train/<class>/*.jpg, root/val/<class>/*.jpg) through DALI.
 
 Training: random-resized crop (decoded only inside the crop) and flip; evaluation: resize
-the short side to resolution * data.val_resize and take the center. Decoding runs on the
-GPU where there is one (device="mixed"). The host feeds the files' paths in the epoch's
-order, `IN_FLIGHT` batches ahead of the loop; DALI's threads read them, so neither the
-file reads nor their bytes pass through Python.
+the short side to resolution * data.val_resize and take the center. The host feeds the
+files' paths in the epoch's order, `IN_FLIGHT` batches ahead of the loop; DALI's threads
+read them, so neither the file reads nor their bytes pass through Python.
+
+Decoding is split: the first data.host_decode of each batch is decoded on the host (CPU
+threads), the rest by the GPU's decoder (device="mixed"), each part by its own pipeline.
+DALI's GPU decoder alone outruns the training step several times over on an idle GPU, but
+with the step's kernels filling the GPU it runs at a fraction of that; the host decoder
+does not compete for the GPU but is bound by the cores. Sharing the work keeps each under
+its limit (docs/BENCHMARKS.md, "Input pipeline"). Both parts resize and normalize on the GPU.
 """
 from pathlib import Path
 
@@ -34,15 +40,45 @@ class JpegFolderSource(DaliSource):
         self.files, self.labels = files, labels
         self.paths = [np.frombuffer(f.encode(), np.uint8) for f in files]  # as fn.io.file.read takes them
 
-    def graph(self, resolution: int, augment: bool):
+    @property
+    def parts(self) -> int:
+        return 2 if 0 < self.d.host_decode < 1 else 1
+
+    def part_slices(self, n: int) -> list[slice]:
+        """Host-decoded rows first. Each part gets at least one row; a batch of one row is
+        made by both, and the device part's copy, written last, is the one kept."""
+        if self.parts == 1:
+            return [slice(0, n)]
+        if n == 1:
+            return [slice(0, 1), slice(0, 1)]
+        k = min(max(round(n * self.d.host_decode), 1), n - 1)
+        return [slice(0, k), slice(k, n)]
+
+    def part_threads(self, part: int) -> int:
+        if self.parts == 1 or self.d.threads == 1:
+            return self.d.threads
+        host = min(max(round(self.d.threads * self.d.host_decode), 1), self.d.threads - 1)
+        return host if part == 0 else self.d.threads - host
+
+    def decoder(self, part: int) -> str:
+        on_host = not self.gpu or self.d.host_decode == 1 or (self.parts == 2 and part == 0)
+        return "cpu" if on_host else "mixed"
+
+    def graph(self, resolution: int, augment: bool, part: int):
         jpegs = fn.io.file.read(fn.external_source(name="paths", dtype=types.UINT8))
-        decoder = "mixed" if self.gpu else "cpu"
+        decoder = self.decoder(part)
+        # hw_decoder_load=1: on the GPU, all of it on the JPEG engines, none on the SMs the step uses
+        gpu_only = {"hw_decoder_load": 1.0} if decoder == "mixed" else {}
         if augment:
             images = fn.decoders.image_random_crop(jpegs, device=decoder, output_type=types.RGB,
                                                    random_area=[self.d.min_crop_area, 1.0],
-                                                   random_aspect_ratio=ASPECT_RATIOS)
+                                                   random_aspect_ratio=ASPECT_RATIOS, **gpu_only)
+        else:
+            images = fn.decoders.image(jpegs, device=decoder, output_type=types.RGB, **gpu_only)
+        if decoder == "cpu" and self.gpu:
+            images = images.gpu()
+        if augment:
             return fn.resize(images, size=[resolution, resolution])
-        images = fn.decoders.image(jpegs, device=decoder, output_type=types.RGB)
         return fn.resize(images, resize_shorter=resolution * self.d.val_resize)
 
     def inputs(self, examples: np.ndarray, augment: bool) -> dict:

@@ -42,7 +42,7 @@ class SyntheticSource(DaliSource):
             self._offsets = crop_offsets(self.shard.total, self.d.crop_padding, self.seed, epoch)
         super().start_epoch(epoch, resolution)
 
-    def graph(self, resolution: int, augment: bool):
+    def graph(self, resolution: int, augment: bool, part: int):
         size = self.images.shape[1]
         images = fn.external_source(name="images", dtype=types.UINT8, layout="HWC")
         if self.gpu:
