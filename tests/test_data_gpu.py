@@ -73,7 +73,7 @@ def test_synthetic_through_dali_on_the_gpu_matches_the_cpu(half):
     torch.testing.assert_close(gpu_train.peek(16).cpu(), cpu_train.peek(16), atol=1e-3, rtol=0)
 
 
-@pytest.mark.parametrize("host_decode", [0.0, 0.5])
+@pytest.mark.parametrize("host_decode", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("half", HALVES)
 def test_jpeg_folders_decoded_on_the_gpu_keep_their_labels(tree, half, host_decode):
     train, val = build_sources(folder_config(tree, batch=4, val_batch=4, drop_last=False, host_decode=host_decode),

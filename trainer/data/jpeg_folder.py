@@ -5,12 +5,13 @@ the short side to resolution * data.val_resize and take the center. The host fee
 files' paths in the epoch's order, `IN_FLIGHT` batches ahead of the loop; DALI's threads
 read them, so neither the file reads nor their bytes pass through Python.
 
-Decoding is split: the first data.host_decode of each batch is decoded on the host (CPU
-threads), the rest by the GPU's decoder (device="mixed"), each part by its own pipeline.
-DALI's GPU decoder alone outruns the training step several times over on an idle GPU, but
-with the step's kernels filling the GPU it runs at a fraction of that; the host decoder
-does not compete for the GPU but is bound by the cores. Sharing the work keeps each under
-its limit (docs/BENCHMARKS.md, "Input pipeline"). Both parts resize and normalize on the GPU.
+Decoding: the first data.host_decode of each batch is decoded on the host's cores
+(libjpeg-turbo), the rest by the GPU's JPEG engines (device="mixed"), each part by a
+pipeline of its own; both parts resize and normalize on the GPU. The default decodes all
+of it on the host: on an idle GPU, DALI's GPU decoder outruns a ResNet-50 step several
+times over, but beside the step's kernels it falls to a fraction of that and slows the
+step as well (docs/BENCHMARKS.md, "Input pipeline"). A machine with few cores per GPU
+can move a share to the GPU.
 """
 from pathlib import Path
 
@@ -67,12 +68,14 @@ class JpegFolderSource(DaliSource):
     def graph(self, resolution: int, augment: bool, part: int):
         jpegs = fn.io.file.read(fn.external_source(name="paths", dtype=types.UINT8))
         decoder = self.decoder(part)
-        # hw_decoder_load=1: on the GPU, all of it on the JPEG engines, none on the SMs the step uses
+        # on the GPU: all of it on the JPEG engines (hw_decoder_load=1), none on the SMs the step uses
         gpu_only = {"hw_decoder_load": 1.0} if decoder == "mixed" else {}
         if augment:
+            # on the host, training crops take libjpeg-turbo's faster, slightly coarser IDCT
+            fast = {"use_fast_idct": True} if decoder == "cpu" else {}
             images = fn.decoders.image_random_crop(jpegs, device=decoder, output_type=types.RGB,
                                                    random_area=[self.d.min_crop_area, 1.0],
-                                                   random_aspect_ratio=ASPECT_RATIOS, **gpu_only)
+                                                   random_aspect_ratio=ASPECT_RATIOS, **gpu_only, **fast)
         else:
             images = fn.decoders.image(jpegs, device=decoder, output_type=types.RGB, **gpu_only)
         if decoder == "cpu" and self.gpu:
