@@ -109,9 +109,8 @@ class FastNet(nn.Module):
 
     def forward(self, x):
         x = self.groups(nn.functional.gelu(self.stem_bn(self.stem(x))))
-        # the global max as a reduction: adaptive_max_pool2d's backward is a slow atomic
-        # kernel, also under torch.compile (it falls back to it)
-        return self.fc(x.amax(dim=(2, 3))) * self.logit_scale
+        x = torch.flatten(nn.functional.adaptive_max_pool2d(x, 1), 1)
+        return self.fc(x) * self.logit_scale
 
 
 TORCHVISION_RESNETS = ("resnet18", "resnet34", "resnet50", "resnet101")

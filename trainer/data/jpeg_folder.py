@@ -71,11 +71,9 @@ class JpegFolderSource(DaliSource):
         # on the GPU: all of it on the JPEG engines (hw_decoder_load=1), none on the SMs the step uses
         gpu_only = {"hw_decoder_load": 1.0} if decoder == "mixed" else {}
         if augment:
-            # on the host, training crops take libjpeg-turbo's faster, slightly coarser IDCT
-            fast = {"use_fast_idct": True} if decoder == "cpu" else {}
             images = fn.decoders.image_random_crop(jpegs, device=decoder, output_type=types.RGB,
                                                    random_area=[self.d.min_crop_area, 1.0],
-                                                   random_aspect_ratio=ASPECT_RATIOS, **gpu_only, **fast)
+                                                   random_aspect_ratio=ASPECT_RATIOS, **gpu_only)
         else:
             images = fn.decoders.image(jpegs, device=decoder, output_type=types.RGB, **gpu_only)
         if decoder == "cpu" and self.gpu:
