@@ -221,7 +221,7 @@ def test_two_ranks_step_like_one_rank_at_the_global_batch(tmp_path, overrides, s
 
 
 # -- sharded optimizer state ----------------------------------------------------------------------
-SHARDED_CASES = {"momentum": ["optimizer=momentum"], "adamw": ["optimizer=adamw"], "lars": ["optimizer=lars"],
+SHARDED_CASES = {"momentum": ["optimizer=momentum"], "adamw": ["optimizer=adamw", "ema=true"], "lars": ["optimizer=lars"],
                  "lars_amp": ["optimizer=lars", "amp=true"]}
 
 
@@ -238,7 +238,8 @@ def _sharded_and_replicated(rank: int, folder: Path) -> dict:
             losses = train(e, global_batches(cfg, 3), rank, WORLD)
             out[case, sharded] = {"losses": losses, **{f: by_parameter(e, d, f) for f in families},
                                   "plan": e.plans.to_json()}
-        if case == "adamw":  # rank 0 writes every rank's share and BN statistics; each resumes its own
+        if case == "adamw":  # rank 0 writes every rank's share, BN statistics and (EMA) their averages;
+            # each rank resumes its own
             path, e, meta = folder / "epoch_0001.pt", engines[True], checkpoint.identity(cfg)
             per_rank = d.gather_per_rank(e.arena)
             if rank == 0:

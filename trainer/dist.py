@@ -88,13 +88,13 @@ class Dist:
     def gather_per_rank(self, arena: Arena) -> dict:
         """Every rank's bytes, rank after rank, of the regions that differ between ranks: the
         BN statistics of its own batches (B_NEXT, and their average B_PREV under EMA) and,
-        sharded, its share of the moments. For
-        a checkpoint that rank 0 writes whole; every rank must call it."""
+        sharded, its share of the moments. For a checkpoint that rank 0 writes whole; every
+        rank must call it."""
         if self.comm is None:
             return {}
         plan, out = arena.plan, {}
+        own_stats = (R.B_NEXT_MEAN, R.B_NEXT_VAR) + ((R.B_PREV_MEAN, R.B_PREV_VAR) if plan.config.ema else ())
         for r in R:
-            own_stats = (R.B_NEXT_MEAN, R.B_NEXT_VAR) + ((R.B_PREV_MEAN, R.B_PREV_VAR) if plan.config.ema else ())
             if (r in own_stats or plan.config.sharded(r)) and plan.region_bytes(r):
                 offset, nbytes = plan.range(r)
                 every = torch.empty(self.world * nbytes, dtype=torch.uint8, device=arena.device)
