@@ -38,6 +38,7 @@ for s in "$@"; do case $s in
   loader) python3 -m trainer.data.make_jpeg_tree /tmp/tree --classes 100 --per-class 130 --val-per-class 10 > /dev/null
           section loader 200 python3 bench/loader_bench.py data.root=/tmp/tree;;
   loader8) section loader8 200 python3 bench/loader_bench.py data.root=/tmp/tree data.threads=8;;
-  loadersplit) for f in 0.5 0.7 0.0; do section loader_host$f 150 python3 bench/loader_bench.py data.root=/tmp/tree data.host_decode=$f; done;;
+  loadersplit) for f in 0.0 0.45 0.6 0.75; do section loader_host$f 150 python3 bench/loader_bench.py data.root=/tmp/tree data.host_decode=$f; done;;
+  decoderprobe) section decoderprobe 150 python3 bench/decoder_probe.py /tmp/tree;;
   *) echo "unknown section $s";;
 esac; done
