@@ -58,6 +58,13 @@ def test_epoch_allocates_nothing_and_never_syncs(tmp_path):
     assert key(torch.cuda.memory_stats()) == before
 
 
+def test_evaluation_alone_captures_only_the_evaluation_graphs(tmp_path):
+    from trainer.loop import Trainer
+    t = Trainer(config("data.train_size=1024", "data.val_size=256"), tmp_path, Dist(), evaluate_only=True)
+    assert set(t.executor.graphs) == set(t.executor.keys(train=False))
+    assert 0 <= t.evaluate()["val_top1"] <= 1
+
+
 def test_amp_overflow_is_skipped_inside_the_graph(tmp_path):
     t = trainer_for(tmp_path, "amp=true", "trainer.epochs=1")
     scale = t.ops.s[B.LOSS_SCALE]

@@ -169,6 +169,16 @@ def test_eval_mode_reproduces_the_final_evaluation(tmp_path):
     assert result["val_top1"] == final["val_top1"] and result["val_loss"] == pytest.approx(final["val_loss"])
 
 
+def test_training_and_evaluation_programs_are_told_apart(tmp_path):
+    # mode=eval captures only keys(train=False): the evaluation variants, on both buffers
+    from trainer.loop import Trainer
+    executor = Trainer(config(*TINY), tmp_path, Dist(), evaluate_only=True).executor
+    train, val = executor.keys(train=True), executor.keys(train=False)
+    assert sorted(train + val) == sorted(executor.programs) and train and val
+    assert all(name.startswith("train") for name, _ in train) and all(name.startswith("val") for name, _ in val)
+    assert {buffer for _, buffer in val} == {"A", "B"}
+
+
 def test_triton_kernels_train_like_torch_kernels(tmp_path):
     """kernels=triton (Triton's interpreter on the CPU) against kernels=torch, a short run."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}

@@ -43,7 +43,7 @@ def run_eval(cfg: TrainConfig, run_dir: Path):
     from trainer import dist
     from trainer.loop import Trainer
     cfg.trainer.resume = _checkpoint_path(cfg)
-    trainer = Trainer(cfg, run_dir, dist.start(cfg))
+    trainer = Trainer(cfg, run_dir, dist.start(cfg), evaluate_only=True)
     result = trainer.evaluate()
     print(json.dumps(result))
     (run_dir / "summary.json").write_text(json.dumps({**result, "checkpoint": cfg.trainer.resume}, indent=1))

@@ -14,6 +14,10 @@ class Executor:
         self.graphs: dict[tuple[str, str], torch.cuda.CUDAGraph] = {}
         self.pool = None
 
+    def keys(self, train: bool) -> list[tuple[str, str]]:
+        """The (variant, buffer) keys of the training programs, or of the evaluation ones."""
+        return [k for k, p in self.programs.items() if p.variant.train == train]
+
     def capture(self, keys=None):
         """Warm up every program (or those of `keys`) (cuDNN autotuning, lazy initialization) on a side stream,
         then capture each into a graph; all graphs share one memory pool for autograd's

@@ -31,7 +31,7 @@ log = logging.getLogger("trainer")
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, run_dir: Path, dist: Dist):
+    def __init__(self, cfg: TrainConfig, run_dir: Path, dist: Dist, evaluate_only: bool = False):
         self.clock = Stopwatch()
         self.cfg, self.run_dir, self.dist = cfg, run_dir, dist
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -60,7 +60,8 @@ class Trainer:
             done = checkpoint.load(Path(t.resume), self.arena, self.meta, dist.rank)
             self.start_epoch, self.history = done["epoch"], done.get("history", [])
             log.info("resumed from %s after epoch %d", t.resume, self.start_epoch)
-        self.executor.capture()
+        # evaluation alone (mode=eval) needs no training graphs: their capture is seconds of set-up
+        self.executor.capture(self.executor.keys(train=False) if evaluate_only else None)
         self.setup_s = self.clock()
 
     # -- the schedule of steps -----------------------------------------------------------
