@@ -147,6 +147,14 @@ def test_a_file_dali_cannot_decode_is_named_when_its_batch_fails(tree):
         serve(train, (15,), 24)
 
 
+def test_a_file_gone_after_the_check_is_named_when_its_batch_fails(tree):
+    train, _ = build_sources(config(tree, batch=15), CPU, 0, 1, None)
+    gone = tree / "train" / "zebra" / "2.jpg"
+    gone.unlink()
+    with pytest.raises(DataError, match=f"cannot read {gone}"):
+        serve(train, (15,), 24)
+
+
 def test_make_jpeg_tree(tmp_path):
     make_jpeg_tree([str(tmp_path / "t"), "--classes", "3", "--per-class", "2", "--val-per-class", "1",
                     "--size", "40x30", "--jobs", "2"])

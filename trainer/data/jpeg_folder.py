@@ -86,8 +86,14 @@ class JpegFolderSource(DaliSource):
         return {"paths": [self.paths[i] for i in examples]}
 
     def decode_error(self, examples: np.ndarray, error: RuntimeError) -> Exception:
-        names = [self.files[i] for i in examples]
-        return decode_error(names, [read(f) for f in names], error)
+        names, encoded = [self.files[i] for i in examples], []
+        for name in names:
+            try:
+                encoded.append(read(name))
+            except OSError as e:  # DALI reads the files: one may have gone since they were listed
+                return DataError(f"cannot read {name} ({e.strerror}): it changed after the data set was listed; "
+                                 f"restore it, or restart the run to list the data again")
+        return decode_error(names, encoded, error)
 
 
 def sources(d: DataConfig, train: Shard, val: Shard, seed: int, device: torch.device,
