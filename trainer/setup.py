@@ -46,8 +46,7 @@ def make_variants(cfg: TrainConfig, world: int = 1) -> tuple[list[Variant], int]
 def make_plans(cfg: TrainConfig, world: int = 1) -> tuple[nn.Module, Plans]:
     model = make_model(cfg)
     variants, steps = make_variants(cfg, world)
-    return model, build_plans(model, plan_config(cfg, steps, world), variants
-, cfg.model.num_classes)
+    return model, build_plans(model, plan_config(cfg, steps, world), variants, cfg.model.num_classes)
 
 
 @dataclass

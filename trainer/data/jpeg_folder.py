@@ -45,6 +45,11 @@ class JpegFolderSource(DaliSource):
     def parts(self) -> int:
         return 2 if 0 < self.d.host_decode < 1 else 1
 
+    def _host_share(self, total: int) -> int:
+        """The host part's share of `total` (rows, threads) when there are two parts:
+        data.host_decode of it, leaving each part at least one."""
+        return min(max(round(total * self.d.host_decode), 1), total - 1)
+
     def part_slices(self, n: int) -> list[slice]:
         """Host-decoded rows first. Each part gets at least one row; a batch of one row is
         made by both, and the device part's copy, written last, is the one kept."""
@@ -52,13 +57,13 @@ class JpegFolderSource(DaliSource):
             return [slice(0, n)]
         if n == 1:
             return [slice(0, 1), slice(0, 1)]
-        k = min(max(round(n * self.d.host_decode), 1), n - 1)
+        k = self._host_share(n)
         return [slice(0, k), slice(k, n)]
 
     def part_threads(self, part: int) -> int:
         if self.parts == 1 or self.d.threads == 1:
             return self.d.threads
-        host = min(max(round(self.d.threads * self.d.host_decode), 1), self.d.threads - 1)
+        host = self._host_share(self.d.threads)
         return host if part == 0 else self.d.threads - host
 
     def decoder(self, part: int) -> str:
