@@ -34,11 +34,12 @@ for s in "$@"; do case $s in
           python3 bench/seeds.py $OUT/cifar5;;
   cifar5) section cifar5 300 python3 run.py -m +experiment=cifar10_speed data.root=$CIFAR trainer.seed=0,1,2,3,4 hydra.sweep.dir=$OUT/cifar5
           python3 bench/seeds.py $OUT/cifar5;;
+  cifarprobe) section cifarprobe 200 python3 bench/cifar_probe.py data.root=$CIFAR compile=true;;
   resnet18) section resnet18 240 python3 run.py +experiment=cifar10_resnet18 data.root=$CIFAR hydra.run.dir=$OUT/resnet18;;
   loader) python3 -m trainer.data.make_jpeg_tree /tmp/tree --classes 100 --per-class 130 --val-per-class 10 > /dev/null
           section loader 200 python3 bench/loader_bench.py data.root=/tmp/tree;;
   loader8) section loader8 200 python3 bench/loader_bench.py data.root=/tmp/tree data.threads=8;;
-  loadersplit) for f in 0.0 0.45 0.6 0.75; do section loader_host$f 150 python3 bench/loader_bench.py data.root=/tmp/tree data.host_decode=$f; done;;
+  loadersplit) for f in 0.0 0.45 0.6 0.9 1.0; do section loader_host$f 150 python3 bench/loader_bench.py data.root=/tmp/tree data.host_decode=$f; done;;
   decoderprobe) section decoderprobe 150 python3 bench/decoder_probe.py /tmp/tree;;
   *) echo "unknown section $s";;
 esac; done

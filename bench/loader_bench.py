@@ -58,7 +58,7 @@ def main(overrides: list[str]):
     seconds = []
     for epoch in range(3):
         before = trainer.train_seconds
-        trainer.train_epoch(epoch)
+        trainer.train_epoch(epoch)()
         seconds.append(trainer.train_seconds - before)
     steps = trainer.train_steps(2)
     fed = len(steps) * cfg.trainer.batch_size / seconds[-1]

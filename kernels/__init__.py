@@ -1,5 +1,7 @@
 """Range-op kernels: a torch reference (kernels.reference) and Triton twins
-(kernels.triton_ops) with the same functions, chosen by `kernels=auto|torch|triton`."""
+(kernels.triton_ops) with the same functions, chosen by `kernels=auto|torch|triton`.
+The one input kernel (crop_flip_normalize_, for data resident on the device) lives here
+too, for the same reason: one launch where torch needs a dozen."""
 import importlib
 import os
 

@@ -99,3 +99,29 @@ def swap_(a, b):
     tmp = a.clone()
     a.copy_(b)
     b.copy_(tmp)
+
+
+# -- input -------------------------------------------------------------------------------
+def _reflect(i, size: int):
+    """Indices past either edge mirrored back inside (the edge pixel not repeated)."""
+    i = i.abs()
+    return torch.where(i >= size, 2 * (size - 1) - i, i)
+
+
+def crop_flip_normalize_(images, labels, table, mean, inv_std, out, out_label, out_mask):
+    """A batch from resident uint8 images (n, H, W, 3), one row of `table` (example, dy, dx,
+    flip, real) per output image: out[b] = (the example's H x W crop at (dy, dx) of its
+    reflect-padded self, mirrored where flip, minus mean) * inv_std, in out's dtype (b, H,
+    W, C); channels past 3 are zero. out_label[b] = labels[example]; out_mask[b] = real
+    (out_mask may be None)."""
+    _, h, w, _ = images.shape
+    idx, dy, dx, flip = table[:, 0], table[:, 1], table[:, 2], table[:, 3].bool()
+    rows = _reflect(dy[:, None] + torch.arange(h, device=dy.device), h)
+    cols = _reflect(dx[:, None] + torch.arange(w, device=dx.device), w)
+    cols = torch.where(flip[:, None], cols.flip(1), cols)
+    pixels = images[idx[:, None, None], rows[:, :, None], cols[:, None, :]]
+    out[..., :3].copy_((pixels.float() - mean) * inv_std)
+    out[..., 3:].zero_()
+    out_label.copy_(labels[idx])
+    if out_mask is not None:
+        out_mask.copy_(table[:, 4])

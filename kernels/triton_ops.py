@@ -249,3 +249,49 @@ def _swap_kernel(a_ptr, b_ptr, n, BLOCK: tl.constexpr):
 def swap_(a, b):
     assert a.numel() == b.numel() and a.dtype == b.dtype
     _launch(_swap_kernel, a.numel(), a, b)
+
+
+# -- input -------------------------------------------------------------------------------
+@triton.jit
+def _reflect(i, size):
+    i = tl.abs(i)
+    return tl.where(i >= size, 2 * (size - 1) - i, i)
+
+
+@triton.jit
+def _crop_flip_normalize_kernel(img_ptr, labels_ptr, table_ptr, mean_ptr, inv_std_ptr, out_ptr, label_ptr,
+                                mask_ptr, H, W, C: tl.constexpr, BLOCK_W: tl.constexpr, HAS_MASK: tl.constexpr):
+    """One program per output row: (image b, row i), all its columns and channels."""
+    b, i = tl.program_id(0), tl.program_id(1)
+    row = table_ptr + b * 5
+    example, dy, dx, flip = tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
+    j = tl.arange(0, BLOCK_W)
+    c = tl.arange(0, 4)
+    y = _reflect(i + dy, H)
+    x = _reflect(tl.where(flip != 0, W - 1 - j, j) + dx, W)
+    inside = (j < W)[:, None]
+    pixels = tl.load(img_ptr + ((example * H + y) * W + x)[:, None] * 3 + c[None, :],
+                     mask=inside & (c[None, :] < 3), other=0).to(tl.float32)
+    # channel 3 loads mean 0 and inv_std 0: the padding channel comes out 0
+    mean = tl.load(mean_ptr + c, mask=c < 3, other=0.0)
+    inv_std = tl.load(inv_std_ptr + c, mask=c < 3, other=0.0)
+    value = (pixels - mean[None, :]) * inv_std[None, :]
+    tl.store(out_ptr + ((b * H + i) * W + j)[:, None] * C + c[None, :], value.to(out_ptr.dtype.element_ty),
+             mask=inside & (c[None, :] < C))
+    if i == 0:
+        tl.store(label_ptr + b, tl.load(labels_ptr + example))
+        if HAS_MASK:
+            tl.store(mask_ptr + b, tl.load(row + 4))
+
+
+def crop_flip_normalize_(images, labels, table, mean, inv_std, out, out_label, out_mask):
+    """One launch for the whole batch (images, label, mask), instead of a dozen torch ops."""
+    n, h, w, _ = images.shape
+    assert out.shape[1:3] == (h, w) and out.shape[3] in (3, 4)
+    assert images.is_contiguous() and out.is_contiguous() and table.is_contiguous()
+    if len(table) == 0:
+        return
+    mask = out_mask if out_mask is not None else out_label
+    _crop_flip_normalize_kernel[(len(table), h)](images, labels, table, mean, inv_std, out, out_label, mask, h, w,
+                                                 C=out.shape[3], BLOCK_W=triton.next_power_of_2(w),
+                                                 HAS_MASK=out_mask is not None, num_warps=1)

@@ -593,6 +593,19 @@ def test_classify_fastnet():
     assert params["fc.weight"] == (Kind.FC_WEIGHT, (10, 256))
 
 
+def test_fastnet_without_stem_norm_skips_the_stems_backward():
+    """stem_norm=none: with the stem conv frozen no parameter lies upstream of the first
+    group, so backward computes no gradient for the stem's output."""
+    model = build_model("fastnet", 10, widths=(16, 32, 32), stem_norm="none")
+    kinds, bns, _ = kind_counts(model)
+    assert kinds[Kind.BN_BIAS] == bns == 6
+    model.stem.weight.requires_grad_(False)
+    stem_out = []
+    model.stem.register_forward_hook(lambda m, i, out: stem_out.append(out))
+    model(torch.randn(2, 3, 32, 32)).sum().backward()
+    assert not stem_out[0].requires_grad and model.groups[0].conv1.weight.grad is not None
+
+
 def test_plan_holds_every_classified_tensor():
     model = build_model("resnet18", 10, stem="cifar")
     plan = plan_of(model, **LARS_AMP_EMA)

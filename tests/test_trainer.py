@@ -65,6 +65,18 @@ def train(tmp_path, *overrides):
     return trainer
 
 
+def test_epochs_between_evaluations_are_recorded_in_order(tmp_path):
+    """An epoch without evaluation or checkpoint is read only after the next one is queued:
+    every epoch still gets its row, in order, with its own training metrics."""
+    trainer = train(tmp_path, "trainer.epochs=3", "trainer.eval_every=5")
+    assert [r["epoch"] for r in trainer.history] == [1, 2, 3]
+    assert all("train_loss" in r for r in trainer.history)
+    assert ["val_top1" in r for r in trainer.history] == [False, False, True]
+    assert trainer.history[0]["train_loss"] != trainer.history[1]["train_loss"]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows if "train_loss" in r] == [1, 2, 3]
+
+
 def test_resume_equals_uninterrupted_bit_for_bit(tmp_path):
     common = ["trainer.epochs=4", "optimizer=adamw", "ema=true", "trainer.label_smoothing=0.1"]
     straight = train(tmp_path / "straight", *common)

@@ -18,6 +18,7 @@ class ModelConfig:
     width: int = 16  # cifar_resnet: first stage's channels (16 is the paper's; more is "wide")
     widths: list[int] = field(default_factory=lambda: [64, 256, 256])  # fastnet: channels per group
     stem: str = "imagenet"  # torchvision ResNets: imagenet (7x7, max-pool) | cifar (3x3, no max-pool)
+    stem_norm: str = "bias"  # fastnet: after the stem conv, bias (a bias-only BatchNorm) | none
 
 
 @dataclass
@@ -61,7 +62,7 @@ class DataConfig:
     val_resize: float = 1.14  # imagefolder evaluation: resize the short side to resolution*this, center crop
     min_crop_area: float = 0.25  # imagefolder training: random-resized crop area range [this, 1]
     threads: int = 0  # DALI decoding and file-reading threads per rank; 0: the cores shared among local ranks
-    host_decode: float = 1.0  # imagefolder on a GPU: the share of each batch decoded by the CPU, the rest by the GPU
+    host_decode: float = 0.75  # imagefolder on a GPU: the share of each batch decoded by the CPU, the rest by the GPU
     check_files: bool = True  # imagefolder: look at both ends of every JPEG before training (seconds per million files)
     seed_offset: int = 0
     tta: int = 0  # evaluation views: 0 none, 1 flip, 2 flip and one-pixel translations
@@ -141,6 +142,7 @@ _CHOICES = {
     "kernels": ("auto", "torch", "triton"),
     "device": ("auto", "cpu", "cuda"),
     "model.stem": ("imagenet", "cifar"),
+    "model.stem_norm": ("bias", "none"),
     "optimizer.name": OPTIMIZERS,
     "schedule.name": ("constant", "cosine", "linear", "step", "poly"),
     "data.name": ("synthetic", "cifar10", "imagefolder"),

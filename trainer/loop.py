@@ -9,6 +9,7 @@ import logging
 import math
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -102,7 +103,10 @@ class Trainer:
             if on_step is not None:
                 on_step(i, v)
 
-    def train_epoch(self, epoch: int) -> dict:
+    def train_epoch(self, epoch: int) -> Callable[[], dict]:
+        """Enqueue the epoch's steps and return a function that waits for them and gives the
+        epoch's row of training metrics. Until it is called the host does not wait for the device,
+        so the next epoch's steps can be queued behind this one's."""
         steps = self.train_steps(epoch)
         resolution = steps[0].resolution if steps else self.cfg.data.resolution
         self.train_source.start_epoch(epoch, resolution)
@@ -125,12 +129,16 @@ class Trainer:
         self.run_steps(steps, self.train_source, on_step)
         end = self._event()
         self.dist.all_sum_(self.ops.s[B.TRAIN_SUMS])
-        sums = a.to_host_async(self.plans.main[B.TRAIN_SUMS])
+        sums = a.to_host_async(self.plans.main[B.TRAIN_SUMS])  # copied out before the next epoch resets them
         self.images += sum(v.batch for v in steps) * self.dist.world
-        self._check_finite(block=True)
-        self.train_seconds += self._elapsed(start, end)
-        loss, top1, top5, count = sums.get().tolist()
-        return {"train_loss": loss / count, "train_top1": top1 / count, "train_top5": top5 / count}
+
+        def result() -> dict:
+            self._check_finite(block=True)
+            self.train_seconds += self._elapsed(start, end)
+            loss, top1, top5, count = sums.get().tolist()
+            return {"epoch": epoch + 1, "train_loss": loss / count, "train_top1": top1 / count,
+                    "train_top5": top5 / count}
+        return result
 
     def evaluate(self) -> dict:
         self.dist.average_bn(self.ops)
@@ -152,22 +160,31 @@ class Trainer:
         t = self.cfg.trainer
         self.images, self.train_seconds, self.first_step_s = 0, 0.0, None  # of this run
         epochs = math.ceil(t.epochs)
-        row, run_start = {}, self._event()
+        row, run_start, result_at = {}, self._event(), None
+        pending = None  # the previous epoch's row: read once this epoch is queued behind it
         for epoch in range(self.start_epoch, epochs):
-            row = {"epoch": epoch + 1, **self.train_epoch(epoch)}
+            result = self.train_epoch(epoch)
+            if pending is not None:
+                self._record(pending())
             last = epoch + 1 == epochs
-            if last or (epoch + 1) % t.eval_every == 0:
+            stopping = bool(t.stop_after_epoch) and epoch + 1 >= t.stop_after_epoch
+            evaluating = last or (epoch + 1) % t.eval_every == 0
+            saving = last or stopping or (t.checkpoint_every and (epoch + 1) % t.checkpoint_every == 0)
+            if not (evaluating or saving):
+                pending = result
+                continue
+            pending, row = None, result()
+            if evaluating:
                 row.update(self.evaluate())
-            self.history.append(row)
-            self.metrics.epoch(row)
-            stopping = t.stop_after_epoch and epoch + 1 >= t.stop_after_epoch
-            if last or stopping or (t.checkpoint_every and (epoch + 1) % t.checkpoint_every == 0):
+                result_at = self._event()  # time to accuracy ends here, before any checkpoint is written
+            self._record(row)
+            if saving:
                 self.save(epoch + 1)
             if stopping and not last:
                 log.info("stopping after epoch %d as trainer.stop_after_epoch asks; resume with "
                          "trainer.resume=%s", epoch + 1, self.run_dir / "checkpoints")
                 break
-        self.run_seconds = self._elapsed(run_start, self._event())
+        self.run_seconds = self._elapsed(run_start, result_at if result_at is not None else self._event())
         self.metrics.close()
         summary = self.summary(row)
         if self.dist.is_main:
@@ -175,6 +192,10 @@ class Trainer:
             if self.history:
                 plot_curves(self.run_dir, self.history)
         return summary
+
+    def _record(self, row: dict):
+        self.history.append(row)
+        self.metrics.epoch(row)
 
     def save(self, epochs_done: int):
         per_rank = self.dist.gather_per_rank(self.arena)  # every rank takes part; rank 0 writes

@@ -24,7 +24,7 @@ from trainer.variants import Variant, derive_variants
 def make_model(cfg: TrainConfig) -> nn.Module:
     m = cfg.model
     try:
-        model = build_model(m.name, m.num_classes, m.depth, m.width, m.widths, m.stem)
+        model = build_model(m.name, m.num_classes, m.depth, m.width, m.widths, m.stem, m.stem_norm)
     except ValueError as e:
         raise ConfigError(f"model: {e}") from None
     return model.to(memory_format=torch.channels_last)

@@ -7,11 +7,11 @@ read them, so neither the file reads nor their bytes pass through Python.
 
 Decoding: the first data.host_decode of each batch is decoded on the host's cores
 (libjpeg-turbo), the rest by the GPU's JPEG engines (device="mixed"), each part by a
-pipeline of its own; both parts resize and normalize on the GPU. The default decodes all
-of it on the host: on an idle GPU, DALI's GPU decoder outruns a ResNet-50 step several
-times over, but beside the step's kernels it falls to a fraction of that and slows the
-step as well (docs/BENCHMARKS.md, "Input pipeline"). A machine with few cores per GPU
-can move a share to the GPU.
+pipeline of its own; both parts resize and normalize on the GPU. The default, 0.75, was
+the best share measured beside a ResNet-50 step on 16 cores per GPU: on an idle GPU,
+DALI's GPU decoder outruns the step several times over, but beside the step's kernels it
+falls to a fraction of that and slows the step as well, while the cores alone decode
+too few (docs/BENCHMARKS.md, "Input pipeline"). Fewer cores per GPU want a smaller share.
 """
 from pathlib import Path
 
