@@ -37,12 +37,14 @@ class ResidentSource:
         # resolution: nothing to prepare, fill() resizes to the shape of the buffer it is given
         plan = self.shard.epoch(self.seed, epoch)
         n, examples = self.shard.total, plan.examples
-        corner, flip = np.zeros((len(examples), 2), int), np.zeros(len(examples), bool)
+        # filled column by column: np.column_stack of these mixed dtypes took 5 ms for
+        # 50,000 examples, host time the device can end up waiting for between epochs
+        table = np.zeros((len(examples), 5), np.int64)
+        table[:, 0], table[:, 4] = examples, plan.real
         if self.augment:
             padding = self.d.crop_padding
-            corner = crop_offsets(n, padding, self.seed, epoch)[examples] - padding
-            flip = flips(self.d.flip, n, self.seed, epoch)[examples]
-        table = np.column_stack([examples, corner, flip, plan.real]).astype(np.int64)
+            table[:, 1:3] = crop_offsets(n, padding, self.seed, epoch)[examples] - padding
+            table[:, 3] = flips(self.d.flip, n, self.seed, epoch)[examples]
         self._plan, self._table, self._device_table = plan, torch.from_numpy(table), None
 
     def fill(self, data: torch.Tensor, label: torch.Tensor, mask: torch.Tensor | None, stream) -> None:
