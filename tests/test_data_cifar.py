@@ -163,6 +163,16 @@ def test_fill_writes_in_place_and_leaves_the_other_buffer_alone(batches):
     assert torch.equal(a, kept) and b.abs().sum() > 0 and not torch.equal(a, b)
 
 
+def test_sources_run_their_kernel_in_the_arenas_layout_when_built(batches, monkeypatch):
+    """Set-up compiles the fill kernel for the layout the timed fills write (fp16, 4 channels)."""
+    from kernels import reference
+    seen, kernel = [], reference.crop_flip_normalize_
+    monkeypatch.setattr(reference, "crop_flip_normalize_",
+                        lambda *a: seen.append((a[5].dtype, a[5].shape[3], a[7] is not None)) or kernel(*a))
+    build_sources(config(batches, val_batch=6), CPU, 0, 1, torch.float16)
+    assert seen == [(torch.float16, 4, True)] * 2  # training and evaluation
+
+
 def test_peek_is_normalized_unaugmented_nchw(batches):
     train, _ = build_sources(config(batches), CPU, 0, 1, None)
     images = train.peek(6)

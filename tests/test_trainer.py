@@ -191,6 +191,21 @@ def test_training_and_evaluation_programs_are_told_apart(tmp_path):
     assert {buffer for _, buffer in val} == {"A", "B"}
 
 
+def test_set_up_runs_the_ema_switch_and_restores_the_weights(tmp_path, monkeypatch):
+    """Evaluation's eager EMA switch runs (so compiles) in set-up, there and back: the
+    weights training starts from are the bound ones, bit for bit."""
+    from trainer.loop import Trainer
+    from trainer.range_ops import RangeOps
+    calls, switch = [], RangeOps.sema_switch
+    monkeypatch.setattr(RangeOps, "sema_switch", lambda ops: calls.append(1) or switch(ops))
+    with_ema = Trainer(config(*TINY, "ema=true", "amp=true"), tmp_path / "ema", Dist())
+    assert len(calls) == 2 and not with_ema.ops.ema_in_use
+    monkeypatch.setattr(RangeOps, "sema_switch", lambda ops: None)
+    without = Trainer(config(*TINY, "ema=true", "amp=true"), tmp_path / "plain", Dist())
+    for first, last in ((R.W_BN_BIAS, R.W_DEEP_CONV), (R.E_BN_BIAS, R.E_DEEP_CONV), (R.A_FC_WEIGHT, R.A_DEEP_CONV)):
+        assert torch.equal(with_ema.arena.flat(first, last), without.arena.flat(first, last)), first.name
+
+
 def test_triton_kernels_train_like_torch_kernels(tmp_path):
     """kernels=triton (Triton's interpreter on the CPU) against kernels=torch, a short run."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}

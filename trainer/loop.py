@@ -63,6 +63,9 @@ class Trainer:
             log.info("resumed from %s after epoch %d", t.resume, self.start_epoch)
         # evaluation alone (mode=eval) needs no training graphs: their capture is seconds of set-up
         self.executor.capture(self.executor.keys(train=False) if evaluate_only else None)
+        if cfg.ema:  # evaluation swaps the EMA weights in eagerly: compile those kernels now, not in the timed run
+            self.ops.sema_switch()
+            self.ops.sema_switch()
         self.setup_s = self.clock()
 
     # -- the schedule of steps -----------------------------------------------------------

@@ -112,5 +112,5 @@ def sources(d: DataConfig, train: Shard, val: Shard, seed: int, device: torch.de
         else:
             images, labels = from_jpegs(root, split, shard.total, members, d, device)
         out.append(ResidentSource(images, torch.from_numpy(labels).to(device), shard, d.num_classes,
-                                  CIFAR_MEAN, CIFAR_STD, d, seed, augment=split == "train"))
+                                  CIFAR_MEAN, CIFAR_STD, d, seed, augment=split == "train", half=half))
     return out[0], out[1]
