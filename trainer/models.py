@@ -93,7 +93,8 @@ class FastNet(nn.Module):
     by 1/9. Where airbench gives the stem conv a bias, trained for the first epochs, the
     stem here is followed by a bias-only BatchNorm (stem_norm="bias": the planner places BN
     biases) or by nothing (stem_norm="none"): then a frozen stem has no parameter upstream
-    of it, and backward skips the first group's input gradient, its costliest convolution."""
+    of it, and backward skips the first group's input gradient and the stem's BatchNorm,
+    8% of the CIFAR recipe's training time (docs/BENCHMARKS.md)."""
 
     def __init__(self, widths=(64, 256, 256), stem_width: int = 24, num_classes: int = 10,
                  logit_scale: float = 1 / 9, stem_norm: str = "bias"):
