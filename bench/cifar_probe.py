@@ -11,12 +11,10 @@ import time
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from trainer.config import register, validate  # noqa: E402
+from trainer.config import compose_config  # noqa: E402
 from trainer.dist import Dist  # noqa: E402
 from trainer.feeder import BUFFERS  # noqa: E402
 from trainer.loop import Trainer  # noqa: E402
@@ -36,11 +34,8 @@ def timed(fn, n: int, stream=None) -> float:
 
 
 def main(overrides: list[str]):
-    register()
-    with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
-        cfg = validate(OmegaConf.to_object(compose("train", overrides=["+experiment=cifar10_speed", *overrides])))
+    cfg = compose_config(["+experiment=cifar10_speed", *overrides])
     t = Trainer(cfg, Path(tempfile.mkdtemp()), Dist())
-    t.images, t.train_seconds, t.first_step_s = 0, 0.0, None
     t.train_epoch(0)()  # warm-up
     v, r, per_epoch = t.engine.variant("train_base"), cfg.data.resolution, t.per_epoch
 

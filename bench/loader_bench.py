@@ -13,11 +13,9 @@ import time
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from trainer.config import register, validate  # noqa: E402
+from trainer.config import compose_config  # noqa: E402
 from trainer.data import build_sources  # noqa: E402
 from trainer.dist import Dist  # noqa: E402
 from trainer.feeder import BUFFERS  # noqa: E402
@@ -47,14 +45,10 @@ def loader_alone(cfg, device, batches: int) -> float:
 
 
 def main(overrides: list[str]):
-    register()
-    conf = str(Path(__file__).resolve().parents[1] / "conf")
-    with initialize_config_dir(conf, version_base="1.3"):
-        cfg = validate(OmegaConf.to_object(compose("train", overrides=DEFAULTS + overrides)))
+    cfg = compose_config(DEFAULTS + overrides)
     device = torch.device("cuda")
     alone = loader_alone(cfg, device, 60)
     trainer = Trainer(cfg, Path(tempfile.mkdtemp()), Dist())
-    trainer.images, trainer.train_seconds, trainer.first_step_s = 0, 0.0, None
     seconds = []
     for epoch in range(3):
         before = trainer.train_seconds

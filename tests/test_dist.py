@@ -39,13 +39,8 @@ TINY = ["data.train_size=64", "data.val_size=32", f"trainer.batch_size={BATCH}",
 
 
 def config(*overrides):
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from trainer.config import register, validate
-    register()
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        return validate(OmegaConf.to_object(compose("train", overrides=list(overrides))))
+    from trainer.config import compose_config
+    return compose_config(overrides)
 
 
 def ghost_batch_norm(model: nn.Module, chunks: int) -> nn.Module:

@@ -3,22 +3,16 @@ import copy
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
-
-from trainer.config import register, validate
+from trainer.config import compose_config
 from trainer.dist import Dist
 from trainer.plan import Baseline as B
 from trainer.regions import Region as R
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-CONF = str(__import__("pathlib").Path(__file__).resolve().parent.parent / "conf")
 
 
 def config(*overrides):
-    register()
-    with initialize_config_dir(CONF, version_base="1.3"):
-        return validate(OmegaConf.to_object(compose("train", overrides=list(overrides))))
+    return compose_config(overrides)
 
 
 def trainer_for(tmp_path, *overrides, train_size=1024):
@@ -41,7 +35,6 @@ def test_graph_replay_trains_like_eager(tmp_path, amp):
 
 def test_epoch_allocates_nothing_and_never_syncs(tmp_path):
     t = trainer_for(tmp_path, "amp=true", "ema=true", "trainer.epochs=3", "trainer.log_every=4")
-    t.images, t.train_seconds, t.first_step_s = 0, 0.0, 0.0
     t.train_epoch(0)()  # first epoch: DALI and allocator warm up
     torch.cuda.synchronize()
     # no new device memory: no cudaMalloc (segments), nothing more reserved, no retries

@@ -8,11 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from trainer import checkpoint
-from trainer.config import register, validate
+from trainer.config import compose_config
 from trainer.dist import Dist
 from trainer.errors import CheckpointError
 from trainer.plan import Baseline as B
@@ -24,9 +22,7 @@ TINY = ["data.train_size=512", "data.val_size=128", "trainer.batch_size=32"]
 
 
 def config(*overrides):
-    register()
-    with initialize_config_dir(str(CONF), version_base="1.3"):
-        return validate(OmegaConf.to_object(compose("train", overrides=list(overrides))))
+    return compose_config(overrides)
 
 
 def run(tmp_path: Path, *args, multirun=False) -> subprocess.CompletedProcess:

@@ -2,9 +2,11 @@
 key or a value of the wrong type fails at composition; validate() then rejects values
 that type-check but cannot work. Both end in one message and a non-zero exit."""
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
-from omegaconf import II, MISSING
+from omegaconf import II, MISSING, OmegaConf
 
 from trainer.errors import ConfigError
 from trainer.plan import OPTIMIZERS, PlanConfig
@@ -134,6 +136,14 @@ class TrainConfig:
 
 def register():
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+def compose_config(overrides) -> TrainConfig:
+    """The validated config that run.py builds from these overrides, for code that makes a
+    Trainer itself (benchmarks, tests)."""
+    register()
+    with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+        return validate(OmegaConf.to_object(compose("train", overrides=list(overrides))))
 
 
 _CHOICES = {

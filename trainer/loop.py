@@ -57,6 +57,7 @@ class Trainer:
         self.metrics = MetricsLog(run_dir, enabled=dist.is_main, log=log)
         self.meta = checkpoint.identity(cfg)
         self.start_epoch, self.history = 0, []
+        self.images, self.train_seconds, self.first_step_s = 0, 0.0, None  # of this run, as train_epoch adds them
         if t.resume:
             done = checkpoint.load(Path(t.resume), self.arena, self.meta, dist.rank)
             self.start_epoch, self.history = done["epoch"], done.get("history", [])
@@ -161,7 +162,6 @@ class Trainer:
     # -- the run ---------------------------------------------------------------------------
     def fit(self) -> dict:
         t = self.cfg.trainer
-        self.images, self.train_seconds, self.first_step_s = 0, 0.0, None  # of this run
         epochs = math.ceil(t.epochs)
         row, run_start, result_at = {}, self._event(), None
         pending = None  # the previous epoch's row: read once this epoch is queued behind it
