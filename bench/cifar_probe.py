@@ -1,5 +1,5 @@
 """Where the CIFAR-10 speed recipe's time goes, on one GPU, in one process:
-the captured step replayed alone; one fill of a resident batch on the loader's stream;
+the captured step replayed alone (and its frozen twin, when the stem freezes part way); one fill of a resident batch on the loader's stream;
 an epoch of the loop (fill beside replay); two epochs back to back; the evaluation; and
 the kernels of the step (torch profiler over 20 replays).
 
@@ -45,8 +45,10 @@ def main(overrides: list[str]):
             t.run_steps(t.train_steps(epoch), t.train_source)
 
     t.train_source.start_epoch(1, r)
+    replays = {f"step replayed alone ({name})": timed(lambda i: t.executor.run(name, BUFFERS[i % 2]), 100)
+               for name in ("train_base", "train_base_frozen") if (name, BUFFERS[0]) in t.executor.programs}
     rows = {
-        "step replayed alone": timed(lambda i: t.executor.run("train_base", BUFFERS[i % 2]), 100),
+        **replays,
         "one fill on the loader's stream": timed(lambda i: t.feeder.fill(BUFFERS[i % 2], v, t.train_source),
                                                  per_epoch - 1, t.feeder.stream),
         "one epoch of the loop, per step": timed(lambda i: epochs(2, 1), 1) / per_epoch,

@@ -260,28 +260,30 @@ def _reflect(i, size):
 
 @triton.jit
 def _crop_flip_normalize_kernel(img_ptr, labels_ptr, table_ptr, mean_ptr, inv_std_ptr, out_ptr, label_ptr,
-                                mask_ptr, H, W, C: tl.constexpr, BLOCK_W: tl.constexpr, HAS_MASK: tl.constexpr):
-    """One program per output row: (image b, row i), all its columns and channels."""
-    b, i = tl.program_id(0), tl.program_id(1)
+                                mask_ptr, H, W, C: tl.constexpr, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr):
+    """One program per image: its table row read once, then every pixel and channel. (A
+    program per output row did 32x the table reads and scheduling for 32x less work each:
+    0.1-0.3 ms for a CIFAR batch of 1024, beside a 3 ms step it slows.)"""
+    b = tl.program_id(0)
     row = table_ptr + b * 5
     example, dy, dx, flip = tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
-    j = tl.arange(0, BLOCK_W)
+    p = tl.arange(0, BLOCK)
+    i, j = p // W, p % W
     c = tl.arange(0, 4)
     y = _reflect(i + dy, H)
     x = _reflect(tl.where(flip != 0, W - 1 - j, j) + dx, W)
-    inside = (j < W)[:, None]
+    inside = (p < H * W)[:, None]
     pixels = tl.load(img_ptr + ((example * H + y) * W + x)[:, None] * 3 + c[None, :],
                      mask=inside & (c[None, :] < 3), other=0).to(tl.float32)
     # channel 3 loads mean 0 and inv_std 0: the padding channel comes out 0
     mean = tl.load(mean_ptr + c, mask=c < 3, other=0.0)
     inv_std = tl.load(inv_std_ptr + c, mask=c < 3, other=0.0)
     value = (pixels - mean[None, :]) * inv_std[None, :]
-    tl.store(out_ptr + ((b * H + i) * W + j)[:, None] * C + c[None, :], value.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + (b * H * W + p)[:, None] * C + c[None, :], value.to(out_ptr.dtype.element_ty),
              mask=inside & (c[None, :] < C))
-    if i == 0:
-        tl.store(label_ptr + b, tl.load(labels_ptr + example))
-        if HAS_MASK:
-            tl.store(mask_ptr + b, tl.load(row + 4))
+    tl.store(label_ptr + b, tl.load(labels_ptr + example))
+    if HAS_MASK:
+        tl.store(mask_ptr + b, tl.load(row + 4))
 
 
 def crop_flip_normalize_(images, labels, table, mean, inv_std, out, out_label, out_mask):
@@ -292,6 +294,6 @@ def crop_flip_normalize_(images, labels, table, mean, inv_std, out, out_label, o
     if len(table) == 0:
         return
     mask = out_mask if out_mask is not None else out_label
-    _crop_flip_normalize_kernel[(len(table), h)](images, labels, table, mean, inv_std, out, out_label, mask, h, w,
-                                                 C=out.shape[3], BLOCK_W=triton.next_power_of_2(w),
-                                                 HAS_MASK=out_mask is not None, num_warps=1)
+    _crop_flip_normalize_kernel[(len(table),)](images, labels, table, mean, inv_std, out, out_label, mask, h, w,
+                                               C=out.shape[3], BLOCK=triton.next_power_of_2(h * w),
+                                               HAS_MASK=out_mask is not None, num_warps=4)

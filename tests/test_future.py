@@ -41,3 +41,36 @@ def test_arena_to_host_async_of_a_dtensor_and_of_a_region():
     assert torch.equal(region, arena.flat(R.W_DEEP_CONV))
     span = arena.to_host_async((R.G_BN_BIAS, R.G_DEEP_CONV)).get()
     assert span.numel() == arena.flat(R.G_BN_BIAS, R.G_DEEP_CONV).numel()
+
+
+class NotYet(TensorFuture):
+    """A step result the device has not produced yet: asking for it would block the host."""
+
+    def __init__(self):
+        super().__init__(torch.zeros(3))
+        self.ready = False
+
+    def is_ready(self) -> bool:
+        return self.ready
+
+    def get(self) -> torch.Tensor:
+        assert self.ready, "the host waited for a step of a later epoch"
+        return super().get()
+
+
+def test_an_epoch_record_waits_only_for_that_epochs_steps(tmp_path):
+    """The loop writes epoch k's record once epoch k+1 is queued: waiting there for epoch k+1's
+    logged steps too would leave the device idle while the host prepares epoch k+2."""
+    import json
+
+    from trainer.metrics import MetricsLog
+    log = MetricsLog(tmp_path)
+    lr = TensorFuture(torch.ones(1))
+    log.step(10, 0, "train_base", 100, TensorFuture(torch.ones(3)), lr)
+    later = NotYet()
+    log.step(20, 1, "train_base", 200, later, lr)
+    log.epoch({"epoch": 1, "train_loss": 1.0})
+    later.ready = True
+    log.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("step", "epoch record") for r in rows] == [10, "epoch record", 20]

@@ -12,7 +12,7 @@ import torch
 from trainer import checkpoint
 from trainer.config import compose_config
 from trainer.dist import Dist
-from trainer.errors import CheckpointError
+from trainer.errors import CheckpointError, ConfigError
 from trainer.plan import Baseline as B
 from trainer.regions import Region as R
 
@@ -215,3 +215,47 @@ def test_triton_kernels_train_like_torch_kernels(tmp_path):
     for name in ("W_BN_BIAS", "W_DEEP_CONV", "M_DEEP_CONV", "E_DEEP_CONV"):
         a, b = (s[name].view(torch.float32) for s in states)
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+
+
+FREEZE = ["trainer.first_conv_freeze_epochs=1", "trainer.stem_norm_freeze_epochs=2", "optimizer=nesterov",
+          "optimizer.weight_decay=0.01", "ema=true", "trainer.ema_every=2", "trainer.lookahead=true"]
+
+
+def test_frozen_parts_stay_bit_identical_and_frozen_steps_skip_their_gradients(tmp_path):
+    """The first conv frozen after epoch 1 and the stem's BatchNorm after epoch 2, under
+    weight decay, momentum and lookahead: each stays bit for bit as it was at its freeze,
+    running statistics included, and from epoch 2 on the steps run the `_frozen` programs,
+    which compute no gradient for either and normalize with the fixed statistics."""
+    from trainer.loop import Trainer
+    t = Trainer(config(*TINY, *FREEZE, "trainer.epochs=3"), tmp_path, Dist())
+    stem, norm = t.model.stem, t.model.stem_bn
+    grads, batch_statistics = {"conv": 0, "bias": 0}, []
+    stem.weight.register_post_accumulate_grad_hook(lambda p: grads.update(conv=grads["conv"] + 1))
+    norm.bias.register_post_accumulate_grad_hook(lambda p: grads.update(bias=grads["bias"] + 1))
+    norm.register_forward_hook(lambda m, i, o: batch_statistics.append(m.training))
+    state = lambda: [x.detach().clone() for x in (stem.weight, norm.bias, norm.running_mean, norm.running_var)]
+    seen = [state()]
+    for epoch in range(3):
+        t.train_epoch(epoch)()
+        seen.append(state())
+    assert not torch.equal(seen[0][0], seen[1][0]) and all(not torch.equal(a, b) for a, b in zip(seen[1][1:], seen[2][1:]))
+    assert torch.equal(seen[1][0], seen[3][0]) and all(torch.equal(a, b) for a, b in zip(seen[2][1:], seen[3][1:]))
+    # the plain programs compute both gradients until every freeze has happened
+    assert grads == {"conv": 2 * t.per_epoch, "bias": 2 * t.per_epoch}
+    assert batch_statistics == [True] * 2 * t.per_epoch + [False] * t.per_epoch
+    assert [v.frozen for v in t.train_steps(2)] == [True] * t.per_epoch
+    assert not any(v.frozen for v in t.train_steps(1))
+
+
+def test_freezing_a_stem_norm_the_model_lacks_is_a_clear_error(tmp_path):
+    from trainer.errors import PlanError
+    from trainer.loop import Trainer
+    with pytest.raises(PlanError, match="stem_norm_freeze_epochs"):
+        Trainer(config(*TINY, "model.stem_norm=none", "trainer.first_conv_freeze_epochs=0",
+                       "trainer.stem_norm_freeze_epochs=1"), tmp_path, Dist())
+
+
+@pytest.mark.parametrize("first_conv, stem_norm", [(-1, 2), (3, 2), (0, 0)])
+def test_a_stem_norm_freezing_before_its_input_is_fixed_is_refused(first_conv, stem_norm):
+    with pytest.raises(ConfigError, match="stem_norm_freeze_epochs"):
+        config(f"trainer.first_conv_freeze_epochs={first_conv}", f"trainer.stem_norm_freeze_epochs={stem_norm}")

@@ -34,8 +34,9 @@ class OptimizerConfig:
     bias_weight_decay: bool = False  # decay the bias block (BN and FC biases, BN weights) too
     bias_lr_scale: float = 1.0  # the bias block's lr multiplier; its decay is not scaled with it
     lars_eta: float = 0.001  # LARS trust coefficient
-    # Decoupled form: lr and weight decay are per 1024 examples and independent of momentum,
-    # so a recipe keeps its meaning when batch size or momentum change.
+    # Decoupled form (airbench's units): lr and weight decay per 1024 examples of steps normalized
+    # by 1 + 1/(1 - momentum), so a recipe keeps its meaning when the batch size changes; the
+    # steady move per 1024 examples still varies with momentum by a few percent (m/(1+m), m = 1/(1-mu)).
     decoupled: bool = False
     nominal_batch: int = 0  # lr scales linearly with batch / nominal_batch; 0: no scaling
 
@@ -82,6 +83,10 @@ class TrainerConfig:
     lowres_resolution: int = 0
     first_conv_init: str = "default"  # default | whiten (from the training data's patches)
     first_conv_freeze_epochs: float = -1.0  # freeze the first conv after this many epochs; -1 never
+    # freeze the BatchNorm right after the first conv (the stem's norm) after this many epochs (-1
+    # never): its parameters and running statistics stay fixed and it normalizes with the latter.
+    # With the first conv frozen by then, backward stops at the first group from that step on.
+    stem_norm_freeze_epochs: float = -1.0
     ema_every: int = 1  # EMA update every this many steps (with the decay raised to that power)
     ema_warmup_power: float = 0.0  # decay grows as (step / steps)^power: young averages forget fast
     lookahead: bool = False  # copy EMA weights back into the model at each EMA update
@@ -199,6 +204,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if t.lowres_epochs and not 0 < t.lowres_resolution <= cfg.data.resolution:
         raise ConfigError(f"trainer.lowres_epochs={t.lowres_epochs} needs trainer.lowres_resolution in "
                           f"(0, data.resolution={cfg.data.resolution}], not {t.lowres_resolution}")
+    if t.stem_norm_freeze_epochs >= 0 and not 0 <= t.first_conv_freeze_epochs <= t.stem_norm_freeze_epochs:
+        raise ConfigError(f"trainer.stem_norm_freeze_epochs={t.stem_norm_freeze_epochs}: the frozen stem norm "
+                          f"normalizes with its running statistics, which describe its input only once the "
+                          f"first conv is frozen; set trainer.first_conv_freeze_epochs between 0 and "
+                          f"{t.stem_norm_freeze_epochs}")
+    if t.stem_norm_freeze_epochs == 0:
+        raise ConfigError("trainer.stem_norm_freeze_epochs=0: the stem norm needs some training to gather its "
+                          "running statistics before it freezes with them; use a positive number of epochs or -1")
     if cfg.data.name != "synthetic" and not cfg.data.root and cfg.mode not in ("plan", "bench"):
         raise ConfigError(f"data={cfg.data.name} needs data.root=PATH (a folder or archive of the data set)")
     for name in cfg.bench.baselines:
@@ -212,9 +225,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
+def freeze_epochs(cfg: TrainConfig) -> dict[str, float]:
+    """The parts of the model that can be frozen, and after how many epochs (-1: never)."""
+    return {"first_conv": cfg.trainer.first_conv_freeze_epochs, "stem_norm": cfg.trainer.stem_norm_freeze_epochs}
+
+
 def plan_config(cfg: TrainConfig, schedule_steps: int, world: int = 1) -> PlanConfig:
     return PlanConfig(amp=cfg.amp, amp_dtype=cfg.amp_dtype, ema=cfg.ema, fold_bn=cfg.fold_bn,
                       optimizer=cfg.optimizer.name, schedule_steps=schedule_steps,
-                      freeze_first_conv=cfg.trainer.first_conv_freeze_epochs >= 0,
+                      freeze=tuple(part for part, epochs in freeze_epochs(cfg).items() if epochs >= 0),
                       shards=world if cfg.dist.shard_optimizer else 1,
                       deep_conv_buckets=cfg.dist.deep_conv_buckets)

@@ -72,15 +72,18 @@ class Trainer:
     # -- the schedule of steps -----------------------------------------------------------
     def train_steps(self, epoch: int) -> list:
         """The variant of every step of `epoch`: full batches, the partial last batch when
-        the data does not divide, low resolution in the progressive-resizing epochs; the
-        fractional last epoch of a run stops part way."""
+        the data does not divide, low resolution in the progressive-resizing epochs, frozen
+        twins once every freeze has happened; the fractional last epoch of a run stops part way."""
         t = self.cfg.trainer
         lowres = epoch < t.lowres_epochs
         base = self.engine.variant("train_lowres" if lowres else "train_base")
         steps = [base] * (self.train_source.size // t.batch_size)
         if len(steps) < self.per_epoch:
             steps.append(self.engine.variant("train_lowres_last" if lowres else "train_last"))
-        return steps[:max(0, self.total_steps - epoch * self.per_epoch)]
+        steps = steps[:max(0, self.total_steps - epoch * self.per_epoch)]
+        settle, first = self.engine.settle_step, epoch * self.per_epoch
+        return [self.engine.variant(v.name + "_frozen") if settle is not None and first + i >= settle else v
+                for i, v in enumerate(steps)]
 
     def val_steps(self) -> list:
         batch = self.engine.variant("val_base").batch
@@ -176,10 +179,12 @@ class Trainer:
             if not (evaluating or saving):
                 pending = result
                 continue
-            pending, row = None, result()
+            # evaluation is queued before the epoch's metrics are read, so the device goes
+            # straight from the last training step to the first evaluation step
+            evaluation = self.evaluate() if evaluating else {}
             if evaluating:
-                row.update(self.evaluate())
                 result_at = self._event()  # time to accuracy ends here, before any checkpoint is written
+            pending, row = None, {**result(), **evaluation}
             self._record(row)
             if saving:
                 self.save(epoch + 1)

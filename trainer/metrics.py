@@ -1,7 +1,7 @@
 """Run records: metrics.jsonl, the progress line, summary.json and curves.png.
 
 Step metrics arrive as TensorFutures; they are written when ready, in order, so logging
-never makes the host wait for the device (except at the end of an epoch)."""
+never makes the host wait for the device, except for an epoch's own steps when its record is written."""
 import json
 import sys
 import time
@@ -24,8 +24,10 @@ class MetricsLog:
         self.pending.append((dict(step=step, epoch=epoch, variant=variant), images, results, lr))
         self.poll()
 
-    def poll(self, block: bool = False):
-        while self.pending and (block or self.pending[0][2].is_ready()):
+    def poll(self, wait_through: float = -1):
+        """Write the step rows that are ready, in order; those of epochs up to wait_through
+        (0-based) are waited for."""
+        while self.pending and (self.pending[0][0]["epoch"] <= wait_through or self.pending[0][2].is_ready()):
             row, images, results, lr = self.pending.popleft()
             loss, top1, top5 = (float(v) for v in results.get())
             row.update(loss=loss, top1=top1, top5=top5, lr=float(lr.get()[0]))
@@ -57,8 +59,10 @@ class MetricsLog:
             self.log.info(line)
 
     def epoch(self, row: dict):
-        """An epoch's train and evaluation sums, as one record."""
-        self.poll(block=True)
+        """An epoch's train and evaluation sums, as one record, after its step rows. The steps
+        of the next epoch, already queued, are not waited for: the device would run dry while
+        the host then prepared the epoch after."""
+        self.poll(wait_through=row["epoch"] - 1)
         if self.tty:
             print()
         self._write_record(row)
@@ -72,7 +76,7 @@ class MetricsLog:
                                        for k, v in row.items()))
 
     def close(self):
-        self.poll(block=True)
+        self.poll(wait_through=float("inf"))
         if self.file:
             self.file.close()
 

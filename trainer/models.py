@@ -94,7 +94,9 @@ class FastNet(nn.Module):
     stem here is followed by a bias-only BatchNorm (stem_norm="bias": the planner places BN
     biases) or by nothing (stem_norm="none"): then a frozen stem has no parameter upstream
     of it, and backward skips the first group's input gradient and the stem's BatchNorm,
-    8% of the CIFAR recipe's training time (docs/BENCHMARKS.md)."""
+    8% of the CIFAR recipe's training time (docs/BENCHMARKS.md). The recipe keeps the bias
+    and gets most of that back by freezing the BatchNorm after 2 epochs
+    (trainer.stem_norm_freeze_epochs), statistics included."""
 
     def __init__(self, widths=(64, 256, 256), stem_width: int = 24, num_classes: int = 10,
                  logit_scale: float = 1 / 9, stem_norm: str = "bias"):

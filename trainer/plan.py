@@ -26,7 +26,8 @@ class PlanConfig:
     fold_bn: bool = False
     optimizer: str = "momentum"
     schedule_steps: int = 1  # length of the learning-rate table the step graph indexes
-    freeze_first_conv: bool = False  # keep a stash to hold the first conv fixed after some step
+    # parts ("first_conv", "stem_norm") held fixed from some step: a stash keeps their values
+    freeze: tuple[str, ...] = ()
     # ZeRO stage 1: the moments (M_, V_) are split over this many ranks, each holding 1/shards
     # of every unit (a region, or one bucket of G_DEEP_CONV); 1 keeps them replicated.
     shards: int = 1

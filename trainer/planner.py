@@ -67,6 +67,44 @@ def first_conv(model: nn.Module) -> nn.Conv2d:
     return next(m for m in model.modules() if isinstance(m, nn.Conv2d))
 
 
+def stem_norm(model: nn.Module) -> nn.Module | None:
+    """The BatchNorm right after the first conv, before any other conv: the stem's
+    normalization (FastNet's bias-only BatchNorm, a ResNet's bn1), if there is one."""
+    convs = 0
+    for m in model.modules():
+        convs += isinstance(m, nn.Conv2d)
+        if convs == 1 and isinstance(m, nn.modules.batchnorm._BatchNorm):
+            return m
+        if convs > 1:
+            return None
+    return None
+
+
+def freezable(model: nn.Module, part: str) -> tuple[str, nn.Module]:
+    """The qualified name and module of a part that can freeze: "first_conv", or "stem_norm",
+    the BatchNorm right after it."""
+    target = first_conv(model) if part == "first_conv" else stem_norm(model)
+    if target is None:
+        raise PlanError("cannot freeze the stem's norm: the model has no BatchNorm right after its first "
+                        "conv (FastNet with model.stem_norm=none has none); drop trainer.stem_norm_freeze_epochs")
+    return next((name, m) for name, m in model.named_modules() if m is target)
+
+
+def frozen_tensors(model: nn.Module, part: str, params: dict[str, ParamTensors],
+                   bn: dict[str, BNTensors]) -> list[DTensor]:
+    """What freezing a part holds fixed: its parameters' weights and the moments placed with
+    them and, for a norm, its running statistics (which it normalizes with once frozen)."""
+    name, module = freezable(model, part)
+    prefix = f"{name}." if name else ""
+    out = [x for n, _ in module.named_parameters(recurse=False) for x in held(params[prefix + n])]
+    return out + ([bn[name].next_mean, bn[name].next_var] if name in bn else [])
+
+
+def held(p: ParamTensors) -> list[DTensor]:
+    """What a frozen parameter keeps: its weight and the moments placed with it."""
+    return [t for t in (p.w, p.m, p.v) if t is not None]
+
+
 def classify(model: nn.Module) -> tuple[list[tuple[str, Kind, tuple]], list[tuple[str, int]]]:
     """Every parameter's layer kind and every BatchNorm's channel count, in module order.
     Anything else that holds a parameter or buffer cannot be placed: all are listed at once."""
@@ -134,15 +172,16 @@ def _shard_moments(plan: MemoryPlan, placed: dict[str, ParamTensors]):
             plan.add_moment_shard(kind, f"{kind.name.lower()}.unit{i}", (fp32_bytes + pad) // 4 // c.shards)
 
 
-def _allocate(plan: MemoryPlan, params, bns, variant: Variant, num_classes: int, in_channels: int) -> ModelTensors:
+def _allocate(plan: MemoryPlan, model: nn.Module, params, bns, variant: Variant, num_classes: int,
+              in_channels: int) -> ModelTensors:
     placed = {name: plan.add_parameter(name, kind, shape) for name, kind, shape in params}
     if plan.config.shards > 1:
         _shard_moments(plan, placed)
     stats = {name: plan.add_bn_statistics(name, channels) for name, channels in bns}
     c = plan.config
-    if c.freeze_first_conv:  # W, and M, V where they exist, of the first conv
-        copies = 1 + c.has_momentum + c.has_second_moment
-        plan.add_temp("first_conv_stash", (copies * plan.region_bytes(FAMILY["W"][Kind.FIRST_CONV]) // 4,), "fp32")
+    frozen = [x for part in c.freeze for x in frozen_tensors(model, part, placed, stats)]
+    if frozen:
+        plan.add_temp("freeze_stash", (sum(x.numel for x in frozen),), "fp32")
     if plan.config.optimizer == "lars":
         weight_block = sum(plan.region_bytes(FAMILY["W"][k]) for k in HALF_KINDS)
         plan.add_temp("lars_chunk_segment", (weight_block // 4 // CHUNK,), "int32")
@@ -163,7 +202,7 @@ def build_plans(model: nn.Module, config: PlanConfig, variants: list[Variant], n
     plans, tensors = {}, {}
     for v in variants:
         plans[v.name] = MemoryPlan(config, v)
-        tensors[v.name] = _allocate(plans[v.name], params, bns, v, num_classes, in_channels)
+        tensors[v.name] = _allocate(plans[v.name], model, params, bns, v, num_classes, in_channels)
     for same_id in zip(*(p.tensors for p in plans.values())):
         largest = max(t.slot_bytes for t in same_id)
         for t in same_id:

@@ -23,10 +23,15 @@ from trainer.variants import Variant
 class Program:
     def __init__(self, variant: Variant, buffer: str, model: nn.Module, tensors: ModelTensors, arena: Arena,
                  ops: RangeOps, label_smoothing: float = 0.0, tta_level: int = 0,
-                 grad_sync: Callable[[], None] | None = None, forward: nn.Module | None = None):
+                 grad_sync: Callable[[], None] | None = None, forward: nn.Module | None = None,
+                 late_frozen: tuple[nn.Module, ...] = ()):
         """forward: what computes the logits, when not the bound model itself (the
-        torch.compile'd model under compile=true)."""
+        torch.compile'd model under compile=true). late_frozen: the parts that freeze after
+        step 0 (the first conv, the stem's norm). A frozen variant's steps compute no gradient
+        for them, so backward stops where nothing upstream trains, and run them in eval mode:
+        the stem's norm normalizes with its running statistics, fixed from then on."""
         self.variant, self.buffer, self.model, self.tensors = variant, buffer, model, tensors
+        self.frozen = late_frozen if variant.frozen else ()
         self.forward = model if forward is None else forward
         self.arena, self.ops = arena, ops
         self.smoothing, self.tta_level, self.grad_sync = label_smoothing, tta_level, grad_sync
@@ -37,11 +42,21 @@ class Program:
         self.results = (s[B.LOSS], s[B.TOP1], s[B.TOP5])
 
     def __call__(self):
-        (self._train if self.variant.train else self._evaluate)()
+        if not self.variant.train:
+            return self._evaluate()
+        for m in self.frozen:
+            m.requires_grad_(False)
+        try:
+            self._train()
+        finally:
+            for m in self.frozen:
+                m.requires_grad_(True)
 
     def _train(self):
         ops, s, amp = self.ops, self.ops.s, self.arena.plan.config.amp
         self.model.train()
+        for m in self.frozen:
+            m.eval()
         ops.schedule()
         ops.clear_grads()
         logits = self.forward(self.x)
@@ -52,9 +67,11 @@ class Program:
         if self.grad_sync is not None:
             self.grad_sync()
         ops.grad_scaling()
+        ops.stash_frozen()
         ops.update()
         if self.arena.plan.config.ema:
             ops.ema()
+        ops.hold_frozen(settled=self.variant.frozen)
         ops.cast_weights()
         ops.accumulate(s[B.TRAIN_SUMS], self.variant.batch)
         ops.advance()

@@ -6,6 +6,8 @@ list and issues the same kernels whatever the number of layers. Every value that
 change during training is read from S_ scalars in the arena, so a captured step graph
 replays correctly as the schedule moves.
 """
+from typing import NamedTuple
+
 import torch
 
 from kernels.reference import CHUNK
@@ -19,14 +21,25 @@ from trainer.schedule import Hyperparameters
 GROWTH, BACKOFF = 2.0, 0.5  # dynamic loss scale: x2 after a run of clean steps, /2 on overflow
 
 
+class Frozen(NamedTuple):
+    """A frozen part: flat views of what it holds fixed, their stash, the step it freezes at."""
+    views: list
+    kept: list
+    step: int
+
+
 class RangeOps:
     def __init__(self, plan: MemoryPlan, arena: Arena, kernels, bias_lr_scale: float = 1.0,
                  ema_every: int = 1, ema_warmup_power: float = 0.0, lookahead: bool = False,
-                 growth_interval: int = 2000, dynamic_scale: bool = True, freeze_first_conv_step: int = -1):
+                 growth_interval: int = 2000, dynamic_scale: bool = True,
+                 freezes: list[tuple[list[torch.Tensor], int]] = ()):
+        """freezes: (flat views of what a frozen part holds fixed: weights, moments, running
+        statistics; the step from which they stay so), one per part. The plan's freeze_stash
+        keeps their values during a step."""
         c = plan.config
         self.config, self.k, self.arena = c, kernels, arena
         self.bias_lr_scale, self.ema_every, self.lookahead = bias_lr_scale, ema_every, lookahead
-        self.ema_warmup_power, self.freeze_step = ema_warmup_power, freeze_first_conv_step
+        self.ema_warmup_power = ema_warmup_power
         self.growth_interval, self.dynamic_scale = growth_interval, c.amp and dynamic_scale
         self.s = {b: arena[plan[b]] for b in B}
         f = arena.flat
@@ -50,9 +63,11 @@ class RangeOps:
                                             if t.name == "lars_chunk_segment")]
         self.b_next, self.b_prev = f(R.B_NEXT_MEAN, R.B_NEXT_VAR), f(R.B_PREV_MEAN, R.B_PREV_VAR)
         self.shard = None  # trainer.collectives.ShardedUpdate under ZeRO-1: this rank's share of the update
-        if c.freeze_first_conv:
-            self.first_conv = [f(r) for r in (R.W_FIRST_CONV, R.M_FIRST_CONV, R.V_FIRST_CONV) if c.enabled(r)]
-            self.stash = arena[next(t for t in plan.regions[R.T_TEMP_FP32] if t.name == "first_conv_stash")]
+        self.freezes: list[Frozen] = []
+        if freezes:
+            stash = arena[next(t for t in plan.regions[R.T_TEMP_FP32] if t.name == "freeze_stash")]
+            chunks = iter(stash.split([x.numel() for views, _ in freezes for x in views]))
+            self.freezes = [Frozen(views, [next(chunks) for _ in views], step) for views, step in freezes]
         self._plan = plan
 
     # -- set-up (host writes, before capture) ---------------------------------------
@@ -114,19 +129,27 @@ class RangeOps:
         s[B.LOSS_SCALE].copy_(torch.where(overflow, scale * BACKOFF, torch.where(grow, scale * GROWTH, scale)))
         s[B.GOOD_STEPS].copy_(torch.where(grow, torch.zeros_like(good), good))
 
-    def update(self):
-        """UPDATE_BIAS_* then UPDATE_WEIGHT_* for the configured optimizer; a frozen first
-        conv is put back as it was, so no optimizer (weight decay, LARS momentum) moves it."""
-        frozen = self.config.freeze_first_conv
-        if frozen:
-            torch.cat(self.first_conv, out=self.stash)
-        self._update_blocks()
-        if frozen:
-            done = self.s[B.STEP] >= self.freeze_step
-            for x, kept in zip(self.first_conv, self.stash.split([x.numel() for x in self.first_conv])):
-                x.copy_(torch.where(done, kept, x))
+    def stash_frozen(self):
+        """Before the update: what the frozen parts hold fixed, copied aside."""
+        if self.freezes:
+            torch._foreach_copy_([k for f in self.freezes for k in f.kept], [x for f in self.freezes for x in f.views])
 
-    def _update_blocks(self):
+    def hold_frozen(self, settled: bool):
+        """After the update and EMA: frozen parts put back as stashed, so that no update
+        (weight decay, momentum) nor lookahead moves them. A part frozen from step 0, or
+        any part in a step where every freeze has happened (`settled`), is copied back in
+        one launch; the others only from their step on, tested on the device."""
+        always = [f for f in self.freezes if settled or f.step == 0]
+        if always:
+            torch._foreach_copy_([x for f in always for x in f.views], [k for f in always for k in f.kept])
+        for f in self.freezes:
+            if not (settled or f.step == 0):
+                done = self.s[B.STEP] >= f.step
+                for x, k in zip(f.views, f.kept):
+                    x.copy_(torch.where(done, k, x))
+
+    def update(self):
+        """UPDATE_BIAS_* then UPDATE_WEIGHT_* for the configured optimizer."""
         if self.shard is not None:
             return self.shard.update(self)
         s, opt, skip = self.s, self.config.optimizer, self.s[B.OVERFLOW]

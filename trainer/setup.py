@@ -8,13 +8,13 @@ from torch import nn
 from kernels import load as load_kernels
 from trainer.arena import Arena
 from trainer.binding import bind
-from trainer.config import TrainConfig, plan_config
+from trainer.config import TrainConfig, freeze_epochs, plan_config
 from trainer.data import dataset_sizes
 from trainer.errors import ConfigError
 from trainer.executor import Executor
 from trainer.feeder import BUFFERS
 from trainer.models import build_model
-from trainer.planner import Plans, build_plans, first_conv
+from trainer.planner import Plans, build_plans, freezable, frozen_tensors
 from trainer.program import Program
 from trainer.range_ops import RangeOps
 from trainer.schedule import hyperparameters, lr_multipliers, steps_per_epoch, total_steps
@@ -30,6 +30,11 @@ def make_model(cfg: TrainConfig) -> nn.Module:
     return model.to(memory_format=torch.channels_last)
 
 
+def freeze_steps(cfg: TrainConfig, per_epoch: int) -> dict[str, int]:
+    """The step from which each frozen part stays fixed."""
+    return {part: round(epochs * per_epoch) for part, epochs in freeze_epochs(cfg).items() if epochs >= 0}
+
+
 def make_variants(cfg: TrainConfig, world: int = 1) -> tuple[list[Variant], int]:
     """The variants and the number of steps of the whole run, from the per-rank data size."""
     train_size, val_size = dataset_sizes(cfg.data)
@@ -38,9 +43,11 @@ def make_variants(cfg: TrainConfig, world: int = 1) -> tuple[list[Variant], int]
     if per_rank_train < t.batch_size and t.drop_last:
         raise ConfigError(f"trainer.batch_size={t.batch_size} is larger than the {per_rank_train} training "
                           f"examples per rank; lower it or set trainer.drop_last=false")
+    per_epoch = steps_per_epoch(per_rank_train, t.batch_size, t.drop_last)
     variants = derive_variants(per_rank_train, per_rank_val, t.batch_size, t.val_batch_size or t.batch_size,
-                               cfg.data.resolution, t.lowres_resolution, t.lowres_epochs, t.drop_last)
-    return variants, total_steps(t.epochs, steps_per_epoch(per_rank_train, t.batch_size, t.drop_last))
+                               cfg.data.resolution, t.lowres_resolution, t.lowres_epochs, t.drop_last,
+                               late_freeze=any(freeze_steps(cfg, per_epoch).values()))
+    return variants, total_steps(t.epochs, per_epoch)
 
 
 def make_plans(cfg: TrainConfig, world: int = 1) -> tuple[nn.Module, Plans]:
@@ -60,6 +67,7 @@ class Engine:
     programs: dict
     executor: Executor
     per_epoch: int  # training steps of a full epoch on each rank
+    settle_step: int | None  # from this step on the `_frozen` variants train: every freeze has happened
 
     def variant(self, name: str) -> Variant:
         return next(v for v in self.plans.variants if v.name == name)
@@ -78,13 +86,20 @@ def assemble(cfg: TrainConfig, device: torch.device, world: int = 1,
     bind(model, plans.tensors[plans.variants[0].name], arena)
     steps, per_epoch = plans.main.config.schedule_steps, steps_per_epoch(
         dataset_sizes(cfg.data)[0] // world, t.batch_size, t.drop_last)
-    freeze_step = round(t.first_conv_freeze_epochs * per_epoch) if t.first_conv_freeze_epochs >= 0 else -1
-    if freeze_step == 0:  # frozen from the start: backward can skip the first conv's weight gradient
-        first_conv(model).weight.requires_grad_(False)
+    tensors = plans.tensors[plans.variants[0].name]
+    freezes, late_frozen = [], []  # late: frozen after step 0, by the `_frozen` variants' programs
+    for part, step in freeze_steps(cfg, per_epoch).items():
+        views = [arena.view(x, padded=True).view(-1) for x in frozen_tensors(model, part, tensors.params, tensors.bn)]
+        freezes.append((views, step))
+        module = freezable(model, part)[1]
+        if step:
+            late_frozen.append(module)
+        else:  # frozen from the start: backward never computes its gradients
+            module.requires_grad_(False)
     ops = RangeOps(plans.main, arena, load_kernels(cfg.kernels, device), bias_lr_scale=cfg.optimizer.bias_lr_scale,
                    ema_every=t.ema_every, ema_warmup_power=t.ema_warmup_power, lookahead=t.lookahead,
                    growth_interval=t.grad_scale_growth_interval, dynamic_scale=cfg.amp_dtype == "fp16",
-                   freeze_first_conv_step=freeze_step)
+                   freezes=freezes)
     h = hyperparameters(cfg.optimizer, t.batch_size * world)
     ops.init_scalars(h, [h.lr_weight * f for f in lr_multipliers(cfg.schedule, steps, per_epoch)],
                      t.grad_scale_init)
@@ -93,6 +108,8 @@ def assemble(cfg: TrainConfig, device: torch.device, world: int = 1,
     # Inductor fuses forward and backward; the Executor captures its kernels in the step graph.
     forward = torch.compile(model, dynamic=False) if cfg.compile else model
     programs = {(v.name, b): Program(v, b, model, plans.tensors[v.name], arena, ops, t.label_smoothing,
-                                     cfg.data.tta, grad_sync, forward)
+                                     cfg.data.tta, grad_sync, forward, tuple(late_frozen))
                 for v in plans.variants for b in BUFFERS}
-    return Engine(model, plans, arena, ops, programs, Executor(programs, arena, cfg.graphs), per_epoch)
+    settle_step = max(step for _, step in freezes) if late_frozen else None
+    return Engine(model, plans, arena, ops, programs, Executor(programs, arena, cfg.graphs), per_epoch,
+                  settle_step)
