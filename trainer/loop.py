@@ -181,8 +181,9 @@ class Trainer:
                 continue
             # evaluation is queued before the epoch's metrics are read, so the device goes
             # straight from the last training step to the first evaluation step
-            evaluation = self.evaluate() if evaluating else {}
+            evaluation = {}
             if evaluating:
+                evaluation = self.evaluate()
                 result_at = self._event()  # time to accuracy ends here, before any checkpoint is written
             pending, row = None, {**result(), **evaluation}
             self._record(row)

