@@ -3,8 +3,9 @@ the captured step replayed alone (and its frozen twin, when the stem freezes par
 an epoch of the loop (fill beside replay); two epochs back to back; the evaluation; and
 the kernels of the step (torch profiler over 20 replays).
 
-    python bench/cifar_probe.py data.root=PATH/cifar10-jpeg.tgz [compile=true ...]
+    [EXP=cifar10_speed_sgd] python bench/cifar_probe.py data.root=PATH/cifar10-jpeg.tgz [compile=true ...]
 """
+import os
 import sys
 import tempfile
 import time
@@ -34,7 +35,7 @@ def timed(fn, n: int, stream=None) -> float:
 
 
 def main(overrides: list[str]):
-    cfg = compose_config(["+experiment=cifar10_speed", *overrides])
+    cfg = compose_config(["+experiment=" + os.environ.get("EXP", "cifar10_speed"), *overrides])
     t = Trainer(cfg, Path(tempfile.mkdtemp()), Dist())
     t.train_epoch(0)()  # warm-up
     v, r, per_epoch = t.engine.variant("train_base"), cfg.data.resolution, t.per_epoch

@@ -2,11 +2,12 @@
 # The GPU checks and benchmarks behind docs/BENCHMARKS.md, by section:
 #   bash bench/gpu_suite.sh tests kernels r50 r50b64 r18 cifar1 ...
 # Logs go to $OUT (or ./gpu_logs). The CIFAR sections read $CIFAR (default ../shared/data/cifar10-jpeg.tgz);
-# cifar5c adds the overrides in $ARGS and names its sweep cifar5$TAG:
+# cifar5c and cifarprobe run +experiment=$EXP (default cifar10_speed) with the overrides in $ARGS;
+# cifar5c names its sweep cifar5$TAG:
 #   TAG=_freeze3 ARGS="trainer.stem_norm_freeze_epochs=3" bash bench/gpu_suite.sh cifar5c
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
-TAG=${TAG:-}; ARGS=${ARGS:-}
+TAG=${TAG:-}; ARGS=${ARGS:-}; export EXP=${EXP:-cifar10_speed}
 CIFAR=${CIFAR:-../shared/data/cifar10-jpeg.tgz}
 export PYTHONUNBUFFERED=1
 R50="model=resnet50 data.resolution=224 data.num_classes=1000 amp=true"
@@ -33,7 +34,7 @@ for s in "$@"; do case $s in
           python3 bench/seeds.py $OUT/cifar5;;
   r18c) section r18c 200 python3 run.py mode=bench model=resnet18_cifar data.resolution=32 amp=true trainer.batch_size=512 "bench.baselines=[eager_bf16,eager_fp16]" compile=true hydra.run.dir=$OUT/r18c;;
   r50b64c) section r50b64c 200 python3 run.py mode=bench $R50 trainer.batch_size=64 "bench.baselines=[eager_bf16]" compile=true hydra.run.dir=$OUT/r50b64c;;
-  cifar5c) section cifar5$TAG 420 python3 run.py -m +experiment=cifar10_speed compile=true data.root=$CIFAR trainer.seed=0,1,2,3,4 $ARGS hydra.sweep.dir=$OUT/cifar5$TAG
+  cifar5c) section cifar5$TAG 420 python3 run.py -m +experiment=$EXP compile=true data.root=$CIFAR trainer.seed=0,1,2,3,4 $ARGS hydra.sweep.dir=$OUT/cifar5$TAG
           python3 bench/seeds.py $OUT/cifar5$TAG;;
   cifar5) section cifar5 300 python3 run.py -m +experiment=cifar10_speed data.root=$CIFAR trainer.seed=0,1,2,3,4 hydra.sweep.dir=$OUT/cifar5
           python3 bench/seeds.py $OUT/cifar5;;

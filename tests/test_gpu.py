@@ -20,13 +20,15 @@ def trainer_for(tmp_path, *overrides, train_size=1024):
     return Trainer(config(f"data.train_size={train_size}", "data.val_size=256", *overrides), tmp_path, Dist())
 
 
-@pytest.mark.parametrize("amp", ["amp=false", "amp=true"])
-def test_graph_replay_trains_like_eager(tmp_path, amp):
+@pytest.mark.parametrize("amp,optimizer", [("amp=false", "optimizer=nesterov"), ("amp=true", "optimizer=nesterov"),
+                                           ("amp=true", "optimizer=muon")])
+def test_graph_replay_trains_like_eager(tmp_path, amp, optimizer):
     """The captured graphs compute what the eager program computes (cuDNN may pick other
     algorithms between the two, so the comparison is to rounding, over a few steps)."""
     results = []
     for graphs in ("graphs=true", "graphs=false"):
-        t = trainer_for(tmp_path / graphs, amp, graphs, "trainer.epochs=1", "trainer.seed=3", train_size=256)
+        t = trainer_for(tmp_path / graphs, amp, optimizer, graphs, "trainer.epochs=1", "trainer.seed=3",
+                        train_size=256)
         assert t.executor.use_graphs == (graphs == "graphs=true")
         t.fit()
         results.append(t.arena.flat(R.W_BN_BIAS, R.W_DEEP_CONV).cpu())

@@ -40,9 +40,9 @@ DESIGN_REGIONS = [
 ]
 SIX = ("BN_BIAS", "BN_WEIGHT", "FC_BIAS", "FC_WEIGHT", "FIRST_CONV", "DEEP_CONV")
 HALF = ("FC_WEIGHT", "FIRST_CONV", "DEEP_CONV")
-OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw", "lars")
+OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw", "lars", "muon")
 # Which optimizer state each optimizer keeps: M first moment / momentum, V second moment, N LARS norms.
-OPTIMIZER_STATE = {"sgd": "", "momentum": "M", "nesterov": "M", "adam": "MV", "adamw": "MV", "lars": "MN"}
+OPTIMIZER_STATE = {"sgd": "", "momentum": "M", "nesterov": "M", "adam": "MV", "adamw": "MV", "lars": "MN", "muon": "M"}
 # Enabled regions a plan may leave empty (scalars, masks and temporaries some configurations use).
 MAY_BE_EMPTY = {"S_SCALAR_FP16", "S_MASK", "T_TEMP_FP32", "T_TEMP_FP16", "T_TEMP_INT32", "T_TEMP_INT8"}
 
@@ -228,10 +228,10 @@ def test_plan_allocations_take_dtype_and_padding_from_their_region():
 
 # -- totals ------------------------------------------------------------------------------
 
-# Baseline tensors of every plan (schedule_steps=1): S_SCALAR_FP32 12 x (1,) fp32 -> 2*align(2+16)
+# Baseline tensors of every plan (schedule_steps=1): S_SCALAR_FP32 14 x (1,) fp32 -> 2*align(2+16)
 # = 512 each; S_SCALAR_INT32 3 x 512; S_SCALAR_INT8 2 x align(1+16) = 256; R_RESULT 3 x 512;
 # R_RESULT_ACCUMULATED 2 x (4,) fp32 -> 2*align(8+16) = 512 each.
-BASELINE_BYTES = 12 * 512 + 3 * 512 + 2 * 256 + 3 * 512 + 2 * 512  # 10752
+BASELINE_BYTES = 14 * 512 + 3 * 512 + 2 * 256 + 3 * 512 + 2 * 512  # 11776
 
 
 def test_total_of_a_small_model_by_hand_fp32_sgd():
@@ -247,7 +247,7 @@ def test_total_of_a_small_model_by_hand_fp32_sgd():
     inputs = 2 * (512 + 512 + 256)
     head = 512 + 512 + 512  # logits fp32 (2,10): 56 -> 256, x2; its gradient slot; predictions int32 (2,)
     expected = BASELINE_BYTES + conv + 2 * bn + fc_w + fc_b + bn_stats + inputs + head
-    assert expected == 23040
+    assert expected == 24064
     assert plan.total_bytes == expected
     assert plan.total_bytes == sum(plan.region_bytes(r) for r in Region)
 
@@ -274,7 +274,7 @@ def test_total_of_a_small_model_by_hand_amp_ema_lars():
     # W_FIRST_CONV = 512 + 1024 bytes = 384 elements -> 3 chunks): (3,) int32 -> 512
     lars_temp = 512
     expected = BASELINE_BYTES + conv + 2 * bn + fc_w + fc_b + bn_stats + inputs + head + lars_temp
-    assert expected == 32512
+    assert expected == 33536
     assert plan.total_bytes == expected
 
 
@@ -466,11 +466,12 @@ BASELINE = [  # id, name, region, shape (schedule_steps=7)
     (6, "beta2", "S_SCALAR_FP32", (1,)), (7, "eps", "S_SCALAR_FP32", (1,)),
     (8, "lars_eta", "S_SCALAR_FP32", (1,)), (9, "ema_decay", "S_SCALAR_FP32", (1,)),
     (10, "loss_scale", "S_SCALAR_FP32", (1,)), (11, "lr_schedule", "S_SCALAR_FP32", (7,)),
-    (12, "step", "S_SCALAR_INT32", (1,)), (13, "opt_step", "S_SCALAR_INT32", (1,)),
-    (14, "good_steps", "S_SCALAR_INT32", (1,)),
-    (15, "overflow", "S_SCALAR_INT8", (1,)), (16, "nan_seen", "S_SCALAR_INT8", (1,)),
-    (17, "loss", "R_RESULT", (1,)), (18, "top1", "R_RESULT", (1,)), (19, "top5", "R_RESULT", (1,)),
-    (20, "train_sums", "R_RESULT_ACCUMULATED", (4,)), (21, "val_sums", "R_RESULT_ACCUMULATED", (4,)),
+    (12, "lr_muon", "S_SCALAR_FP32", (1,)), (13, "muon_momentum", "S_SCALAR_FP32", (1,)),
+    (14, "step", "S_SCALAR_INT32", (1,)), (15, "opt_step", "S_SCALAR_INT32", (1,)),
+    (16, "good_steps", "S_SCALAR_INT32", (1,)),
+    (17, "overflow", "S_SCALAR_INT8", (1,)), (18, "nan_seen", "S_SCALAR_INT8", (1,)),
+    (19, "loss", "R_RESULT", (1,)), (20, "top1", "R_RESULT", (1,)), (21, "top5", "R_RESULT", (1,)),
+    (22, "train_sums", "R_RESULT_ACCUMULATED", (4,)), (23, "val_sums", "R_RESULT_ACCUMULATED", (4,)),
 ]
 REGION_DTYPE = {"S_SCALAR_FP32": "fp32", "S_SCALAR_INT32": "int32", "S_SCALAR_INT8": "int8",
                 "R_RESULT": "fp32", "R_RESULT_ACCUMULATED": "fp32"}

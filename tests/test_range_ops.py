@@ -137,6 +137,8 @@ POISON_CASES = {
                      [(R.W_BN_BIAS, R.W_DEEP_CONV), (R.M_BN_BIAS, R.M_DEEP_CONV), (R.V_BN_BIAS, R.V_DEEP_CONV)]),
     "update_lars": (dict(optimizer="lars"), lambda ops: ops.update(),
                     [(R.W_BN_BIAS, R.W_DEEP_CONV), (R.M_BN_BIAS, R.M_DEEP_CONV), (R.N_FC_WEIGHT, R.N_DEEP_CONV)]),
+    "update_muon": (dict(optimizer="muon"), lambda ops: ops.update(),
+                    [(R.W_BN_BIAS, R.W_DEEP_CONV), (R.M_BN_BIAS, R.M_DEEP_CONV)]),
     "ema": (dict(ema=True), lambda ops: ops.ema(), [(R.E_BN_BIAS, R.E_DEEP_CONV), (R.B_PREV_MEAN, R.B_PREV_VAR)]),
     "bn_stats": (dict(), lambda ops: ops.bn_stats_to_prev(), [(R.B_PREV_MEAN, R.B_PREV_VAR)]),
 }
@@ -163,14 +165,15 @@ def test_grad_scaling_writes_gradients_and_state_scalars_only():
     assert outside.numel() == 0 and inside > 0
 
 
-def test_amp_overflow_skips_the_update_and_backs_off_the_scale():
-    model = small_cnn()
-    plans, arena, ops = bound(model, amp=True, optimizer="adam")
+@pytest.mark.parametrize("optimizer", ["adam", "muon"])
+def test_amp_overflow_skips_the_update_and_backs_off_the_scale(optimizer):
+    model = small_cnn(layers=3)
+    plans, arena, ops = bound(model, amp=True, optimizer=optimizer)
     ops.init_scalars(hyper(lr=1e-3), [1e-3] * STEPS, 1024.0)
     (x, y), (x2, y2) = batches(2)
     x, x2 = x.half(), x2.half()
-    state = lambda: torch.cat([arena.flat(R.W_BN_BIAS, R.W_DEEP_CONV), arena.flat(R.M_BN_BIAS, R.M_DEEP_CONV),
-                               arena.flat(R.V_BN_BIAS, R.V_DEEP_CONV)]).clone()
+    moments = [(R.M_BN_BIAS, R.M_DEEP_CONV)] + ([(R.V_BN_BIAS, R.V_DEEP_CONV)] if optimizer == "adam" else [])
+    state = lambda: torch.cat([arena.flat(R.W_BN_BIAS, R.W_DEEP_CONV)] + [arena.flat(*m) for m in moments]).clone()
     before = state()
     ops.schedule()
     ops.clear_grads()

@@ -158,7 +158,7 @@ class GradSync:
         self.comm, self.sharded = comm, sharded
         self.buckets = gradient_buckets(ops, sharded)
         self.results = ops.arena.flat(R.R_RESULT)
-        self.loss, self.nan_seen = ops.s[B.LOSS], None if ops.config.amp else ops.s[B.NAN_SEEN]
+        self.loss, self.nan_seen = ops.s[B.LOSS], ops.s[B.NAN_SEEN]
         self.missing = self._expected()
 
     def _expected(self) -> list[int]:
@@ -193,8 +193,8 @@ class GradSync:
         with self.comm.side():
             self.comm.mean_(self.results)
         self.comm.join()
-        if self.nan_seen is not None:  # a non-finite loss on any rank makes the mean non-finite
-            self.nan_seen.copy_(self.nan_seen | (~torch.isfinite(self.loss)).to(self.nan_seen.dtype))
+        # a non-finite loss on any rank makes the mean non-finite
+        self.nan_seen.copy_(self.nan_seen | (~torch.isfinite(self.loss)).to(self.nan_seen.dtype))
         self.missing = self._expected()
 
 

@@ -21,12 +21,14 @@ class ModelConfig:
     widths: list[int] = field(default_factory=lambda: [64, 256, 256])  # fastnet: channels per group
     stem: str = "imagenet"  # torchvision ResNets: imagenet (7x7, max-pool) | cifar (3x3, no max-pool)
     stem_norm: str = "bias"  # fastnet: after the stem conv, bias (a bias-only BatchNorm) | none
+    logit_scale: float = 1 / 9  # fastnet: the head's output is multiplied by this (airbench94: 1/9)
+    head_std: float = 0.0  # fastnet: the head's initial weight std; 0 keeps torch's (1/sqrt(3 fan_in))
 
 
 @dataclass
 class OptimizerConfig:
-    name: str = MISSING  # sgd | momentum | nesterov | adam | adamw | lars
-    lr: float = 0.1  # peak learning rate, at the nominal batch size below
+    name: str = MISSING  # sgd | momentum | nesterov | adam | adamw | lars | muon
+    lr: float = 0.1  # peak learning rate, at the nominal batch size below (muon: of the non-Muon part)
     momentum: float = 0.9  # momentum for SGD variants and LARS; beta1 for Adam
     beta2: float = 0.999
     eps: float = 1e-8
@@ -34,6 +36,12 @@ class OptimizerConfig:
     bias_weight_decay: bool = False  # decay the bias block (BN and FC biases, BN weights) too
     bias_lr_scale: float = 1.0  # the bias block's lr multiplier; its decay is not scaled with it
     lars_eta: float = 0.001  # LARS trust coefficient
+    # Muon for the deep convs (the bias block, FC weight and first conv take Nesterov SGD with the
+    # values above): the step of each filter bank, whose norm is kept at sqrt(out channels), so
+    # neither weight decay nor the decoupled form applies; it follows the schedule.
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
+    newton_schulz_steps: int = 5  # iterations of the orthogonalization
     # Decoupled form (airbench's units): lr and weight decay per 1024 examples of steps normalized
     # by 1 + 1/(1 - momentum), so a recipe keeps its meaning when the batch size changes; the
     # steady move per 1024 examples still varies with momentum by a few percent (m/(1+m), m = 1/(1-mu)).
@@ -165,14 +173,14 @@ _CHOICES = {
     "trainer.first_conv_init": ("default", "whiten"),
     "dist.backend": ("auto", "nccl", "gloo"),
 }
-_POSITIVE = ("trainer.epochs", "trainer.batch_size", "data.resolution", "data.num_classes", "trainer.log_every",
+_POSITIVE = ("model.logit_scale", "trainer.epochs", "trainer.batch_size", "data.resolution", "data.num_classes", "trainer.log_every",
              "optimizer.eps", "trainer.grad_scale_init", "trainer.grad_scale_growth_interval",
-             "trainer.ema_every", "dist.deep_conv_buckets", "bench.steps")
-_NON_NEGATIVE = ("optimizer.lr", "trainer.ema_warmup_power", "data.threads", "optimizer.weight_decay", "optimizer.bias_lr_scale", "optimizer.lars_eta",
+             "trainer.ema_every", "dist.deep_conv_buckets", "bench.steps", "optimizer.newton_schulz_steps")
+_NON_NEGATIVE = ("model.head_std", "optimizer.lr", "optimizer.muon_lr", "trainer.ema_warmup_power", "data.threads", "optimizer.weight_decay", "optimizer.bias_lr_scale", "optimizer.lars_eta",
                  "trainer.val_batch_size", "trainer.lowres_epochs", "trainer.checkpoint_every",
                  "trainer.stop_after_epoch", "schedule.warmup_epochs", "data.train_size", "data.val_size",
                  "data.crop_padding", "bench.warmup", "optimizer.nominal_batch", "data.tta")
-_FRACTIONS = ("optimizer.momentum", "optimizer.beta2", "ema_decay", "trainer.label_smoothing",
+_FRACTIONS = ("optimizer.momentum", "optimizer.muon_momentum", "optimizer.beta2", "ema_decay", "trainer.label_smoothing",
               "schedule.final_fraction", "schedule.warmup_start_fraction", "data.min_crop_area")
 _CLOSED_FRACTIONS = ("data.host_decode",)
 
@@ -212,6 +220,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if t.stem_norm_freeze_epochs == 0:
         raise ConfigError("trainer.stem_norm_freeze_epochs=0: the stem norm needs some training to gather its "
                           "running statistics before it freezes with them; use a positive number of epochs or -1")
+    if cfg.optimizer.name == "muon" and cfg.optimizer.lr == 0:
+        raise ConfigError("optimizer=muon with optimizer.lr=0: lr is the schedule's peak, which Muon's step "
+                          "follows too (optimizer.muon_lr at the peak); set a positive lr")
     if cfg.data.name != "synthetic" and not cfg.data.root and cfg.mode not in ("plan", "bench"):
         raise ConfigError(f"data={cfg.data.name} needs data.root=PATH (a folder or archive of the data set)")
     for name in cfg.bench.baselines:

@@ -235,10 +235,10 @@ class Trainer:
         self.first_step_s = round(self.clock(), 3)
 
     def _check_finite(self, block: bool):
-        """Without AMP a non-finite loss stops the run (its update was skipped in the
-        graph, so the weights and the last checkpoint are intact)."""
-        if self.cfg.amp:
-            return
+        """A non-finite loss stops the run: its update was skipped in the graph, so the
+        weights and the last checkpoint are intact. Under AMP too: an fp16 overflow of the
+        gradients alone (a finite loss) is the loss scale's business and only skips a step,
+        but a non-finite loss comes from the forward pass, which no loss scale mends."""
         pending = getattr(self, "_nan_future", None)
         if pending is None:
             self._nan_future = pending = self.arena.to_host_async(self.plans.main[B.NAN_SEEN])
@@ -248,8 +248,10 @@ class Trainer:
         if int(pending.get()[0]):
             raise NonFiniteLossError(
                 "the training loss became NaN or infinite; the step was skipped and training stopped. "
-                f"Checkpoints saved so far are intact in {self.run_dir / 'checkpoints'}. Lower optimizer.lr, "
-                "add a warm-up (schedule.warmup_epochs) or train with amp=true.")
+                f"Checkpoints saved so far are intact in {self.run_dir / 'checkpoints'}. Lower optimizer.lr "
+                "or add a warm-up (schedule.warmup_epochs)" + (
+                    "; under fp16 activations beyond 65504 overflow, amp_dtype=bf16 has fp32's range."
+                    if self.cfg.amp and self.cfg.amp_dtype == "fp16" else "."))
 
     def _event(self):
         if self.device.type == "cuda":

@@ -99,7 +99,7 @@ class FastNet(nn.Module):
     (trainer.stem_norm_freeze_epochs), statistics included."""
 
     def __init__(self, widths=(64, 256, 256), stem_width: int = 24, num_classes: int = 10,
-                 logit_scale: float = 1 / 9, stem_norm: str = "bias"):
+                 logit_scale: float = 1 / 9, stem_norm: str = "bias", head_std: float = 0.0):
         super().__init__()
         self.stem = nn.Conv2d(3, stem_width, 2, bias=False)
         self.stem_bn = BiasBatchNorm(stem_width) if stem_norm == "bias" else nn.Identity()
@@ -109,6 +109,9 @@ class FastNet(nn.Module):
             cin = w
         self.groups = nn.Sequential(*groups)
         self.fc = nn.Linear(cin, num_classes, bias=False)
+        if head_std:  # the speedruns start the head at unit std, 28x torch's default
+            with torch.no_grad():
+                self.fc.weight.mul_(head_std / self.fc.weight.std())
         self.logit_scale = logit_scale
 
     def forward(self, x):
@@ -116,14 +119,16 @@ class FastNet(nn.Module):
         # max_pool2d over the whole map, not adaptive_max_pool2d: inductor compiles the first,
         # while the second's backward stays an atomic ATen kernel (5% of the compiled step)
         x = torch.flatten(nn.functional.max_pool2d(x, x.shape[2:]), 1)
-        return self.fc(x) * self.logit_scale
+        # scaled before the head, not after: in fp16 the unscaled logits of a large head overflow
+        return self.fc(x * self.logit_scale)
 
 
 TORCHVISION_RESNETS = ("resnet18", "resnet34", "resnet50", "resnet101")
 
 
 def build_model(name: str, num_classes: int, depth: int = 20, width: int = 16, widths=(64, 256, 256),
-                stem: str = "imagenet", stem_norm: str = "bias") -> nn.Module:
+                stem: str = "imagenet", stem_norm: str = "bias", logit_scale: float = 1 / 9,
+                head_std: float = 0.0) -> nn.Module:
     """`stem=cifar` gives torchvision ResNets a 3x3 stride-1 first conv and no max-pool,
     the usual adaptation to 32x32 images."""
     if name in TORCHVISION_RESNETS:
@@ -136,5 +141,6 @@ def build_model(name: str, num_classes: int, depth: int = 20, width: int = 16, w
     if name == "cifar_resnet":
         return CifarResNet(depth, width, num_classes)
     if name == "fastnet":
-        return FastNet(tuple(widths), num_classes=num_classes, stem_norm=stem_norm)
+        return FastNet(tuple(widths), num_classes=num_classes, logit_scale=logit_scale, stem_norm=stem_norm,
+                       head_std=head_std)
     raise ValueError(f"unknown model {name!r}; choose one of {', '.join(TORCHVISION_RESNETS)}, cifar_resnet, fastnet")

@@ -14,7 +14,7 @@ from trainer.dtensor import DTensor, slot_bytes
 from trainer.errors import PlanError
 from trainer.regions import CONTIGUOUS_RANGES, FAMILY, HALF_KINDS, Kind, Region, storage_dtype
 
-OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw", "lars")
+OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw", "lars", "muon")
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,9 @@ class PlanConfig:
         if self.shards > 1 and not self.has_momentum:
             raise PlanError("sharded optimizer state needs an optimizer that keeps some: sgd has none; "
                             "use momentum, nesterov, adam, adamw or lars, or dist.shard_optimizer=false")
+        if self.shards > 1 and self.optimizer == "muon":
+            raise PlanError("optimizer=muon orthogonalizes whole filter banks, so every rank needs their whole "
+                            "momentum: set dist.shard_optimizer=false")
 
     @property
     def has_momentum(self) -> bool:
@@ -92,24 +95,26 @@ class Baseline(IntEnum):
     EMA_DECAY = 9
     LOSS_SCALE = 10
     LR_SCHEDULE = 11  # the learning rate of every step, indexed by STEP inside the graph
+    LR_MUON = 12  # Muon's step size for the deep convs
+    MUON_MOMENTUM = 13
     # S_SCALAR_INT32
-    STEP = 12  # training steps taken (the schedule's clock)
-    OPT_STEP = 13  # optimizer updates applied (Adam's bias correction); skipped steps don't count
-    GOOD_STEPS = 14  # clean steps since the loss scale last changed
+    STEP = 14  # training steps taken (the schedule's clock)
+    OPT_STEP = 15  # optimizer updates applied (Adam's bias correction); skipped steps don't count
+    GOOD_STEPS = 16  # clean steps since the loss scale last changed
     # S_SCALAR_INT8
-    OVERFLOW = 15  # this step's gradients were not finite: its update was skipped
-    NAN_SEEN = 16  # sticky: some step since the last check had a non-finite loss
+    OVERFLOW = 17  # this step's gradients were not finite: its update was skipped
+    NAN_SEEN = 18  # sticky: some step since the last check had a non-finite loss
     # R_RESULT
-    LOSS = 17
-    TOP1 = 18
-    TOP5 = 19
+    LOSS = 19
+    TOP1 = 20
+    TOP5 = 21
     # R_RESULT_ACCUMULATED: sums of loss, top-1 hits, top-5 hits, examples
-    TRAIN_SUMS = 20
-    VAL_SUMS = 21
+    TRAIN_SUMS = 22
+    VAL_SUMS = 23
 
 
 _BASELINE_REGION = {
-    **{b: Region.S_SCALAR_FP32 for b in list(Baseline)[:12]},
+    **{b: Region.S_SCALAR_FP32 for b in list(Baseline)[:Baseline.STEP]},
     **{b: Region.S_SCALAR_INT32 for b in (Baseline.STEP, Baseline.OPT_STEP, Baseline.GOOD_STEPS)},
     **{b: Region.S_SCALAR_INT8 for b in (Baseline.OVERFLOW, Baseline.NAN_SEEN)},
     **{b: Region.R_RESULT for b in (Baseline.LOSS, Baseline.TOP1, Baseline.TOP5)},

@@ -62,7 +62,7 @@ class Program:
         logits = self.forward(self.x)
         grad = self.arena[self.tensors.grad_slot]
         cross_entropy_(logits, self.y, self.smoothing, self.results, grad_out=grad,
-                       grad_scale=s[B.LOSS_SCALE] if amp else None, nan_seen=None if amp else s[B.NAN_SEEN])
+                       grad_scale=s[B.LOSS_SCALE] if amp else None, nan_seen=s[B.NAN_SEEN])
         logits.backward(grad)
         if self.grad_sync is not None:
             self.grad_sync()

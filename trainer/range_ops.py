@@ -12,6 +12,7 @@ import torch
 
 from kernels.reference import CHUNK
 from trainer.arena import Arena
+from trainer.muon import MuonUpdate
 from trainer.plan import Baseline as B
 from trainer.plan import MemoryPlan
 from trainer.regions import FAMILY, HALF_KINDS, Kind
@@ -32,13 +33,16 @@ class RangeOps:
     def __init__(self, plan: MemoryPlan, arena: Arena, kernels, bias_lr_scale: float = 1.0,
                  ema_every: int = 1, ema_warmup_power: float = 0.0, lookahead: bool = False,
                  growth_interval: int = 2000, dynamic_scale: bool = True,
-                 freezes: list[tuple[list[torch.Tensor], int]] = ()):
+                 freezes: list[tuple[list[torch.Tensor], int]] = (), muon_lr_scale: float = 1.0,
+                 newton_schulz_steps: int = 5):
         """freezes: (flat views of what a frozen part holds fixed: weights, moments, running
         statistics; the step from which they stay so), one per part. The plan's freeze_stash
-        keeps their values during a step."""
+        keeps their values during a step. Under optimizer=muon the deep convs' step size is
+        the schedule's times muon_lr_scale."""
         c = plan.config
         self.config, self.k, self.arena = c, kernels, arena
         self.bias_lr_scale, self.ema_every, self.lookahead = bias_lr_scale, ema_every, lookahead
+        self.muon_lr_scale = muon_lr_scale
         self.ema_warmup_power = ema_warmup_power
         self.growth_interval, self.dynamic_scale = growth_interval, c.amp and dynamic_scale
         self.s = {b: arena[plan[b]] for b in B}
@@ -48,6 +52,16 @@ class RangeOps:
         self.w_all, self.g_all = f(R.W_BN_BIAS, R.W_DEEP_CONV), f(R.G_BN_BIAS, R.G_DEEP_CONV)
         self.m_bias = f(R.M_BN_BIAS, R.M_FC_BIAS) if c.has_momentum else None
         self.m_weight = f(R.M_FC_WEIGHT, R.M_DEEP_CONV) if c.has_momentum else None
+        # The weight block SGD updates: under Muon only the FC weight and the first conv.
+        self.sgd_weight = (self.w_weight, self.g_weight, self.m_weight)
+        if c.optimizer == "muon":
+            self.sgd_weight = (f(R.W_FC_WEIGHT, R.W_FIRST_CONV), f(R.G_FC_WEIGHT, R.G_FIRST_CONV),
+                               f(R.M_FC_WEIGHT, R.M_FIRST_CONV))
+            base = plan.base[R.W_DEEP_CONV]
+            convs = [((t.offset - base) // 4, t.shape[0], t.numel // t.shape[0])
+                     for t in plan.regions[R.W_DEEP_CONV]]
+            self.muon = MuonUpdate(f(R.W_DEEP_CONV), f(R.G_DEEP_CONV), f(R.M_DEEP_CONV), convs,
+                                   newton_schulz_steps)
         if c.has_second_moment:
             self.v_bias, self.v_weight = f(R.V_BN_BIAS, R.V_FC_BIAS), f(R.V_FC_WEIGHT, R.V_DEEP_CONV)
         if c.amp:
@@ -75,7 +89,7 @@ class RangeOps:
         s = self.s
         for b, value in ((B.WEIGHT_DECAY_BIAS, h.weight_decay_bias), (B.WEIGHT_DECAY, h.weight_decay),
                          (B.MOMENTUM, h.momentum), (B.BETA1, h.momentum), (B.BETA2, h.beta2),
-                         (B.EPS, h.eps), (B.LARS_ETA, h.lars_eta)):
+                         (B.EPS, h.eps), (B.LARS_ETA, h.lars_eta), (B.MUON_MOMENTUM, h.muon_momentum)):
             s[b].fill_(value)
         s[B.LR_SCHEDULE].copy_(torch.tensor(lr_table, dtype=torch.float32))
         s[B.LOSS_SCALE].fill_(grad_scale if self.dynamic_scale else 1.0)
@@ -96,6 +110,8 @@ class RangeOps:
         lr = s[B.LR_SCHEDULE][s[B.STEP].clamp(max=last).long()]
         s[B.LR_WEIGHT].copy_(lr)
         s[B.LR_BIAS].copy_(lr * self.bias_lr_scale)
+        if self.config.optimizer == "muon":
+            s[B.LR_MUON].copy_(lr * self.muon_lr_scale)
 
     def clear_grads(self):
         self.g_all.zero_()
@@ -149,13 +165,16 @@ class RangeOps:
                     x.copy_(torch.where(done, k, x))
 
     def update(self):
-        """UPDATE_BIAS_* then UPDATE_WEIGHT_* for the configured optimizer."""
+        """UPDATE_BIAS_* then UPDATE_WEIGHT_* for the configured optimizer. Muon updates the
+        deep convs; the bias block, the FC weight and the first conv take Nesterov SGD."""
         if self.shard is not None:
             return self.shard.update(self)
         s, opt, skip = self.s, self.config.optimizer, self.s[B.OVERFLOW]
         mu = s[B.MOMENTUM]
         blocks = ((self.w_bias, self.g_bias, self.m_bias, s[B.LR_BIAS], s[B.WEIGHT_DECAY_BIAS], "v_bias"),
-                  (self.w_weight, self.g_weight, self.m_weight, s[B.LR_WEIGHT], s[B.WEIGHT_DECAY], "v_weight"))
+                  (*self.sgd_weight, s[B.LR_WEIGHT], s[B.WEIGHT_DECAY], "v_weight"))
+        if opt == "muon":
+            self.muon(s[B.LR_MUON], s[B.MUON_MOMENTUM], skip)
         for i, (w, g, m, lr, wd, v) in enumerate(blocks):
             if opt in ("adam", "adamw"):
                 self.k.adam_(w, g, m, getattr(self, v), lr, wd, s[B.BETA1], s[B.BETA2], s[B.EPS],
@@ -165,7 +184,7 @@ class RangeOps:
             elif opt == "lars":
                 self.k.lars_bias_(w, g, m, lr, wd, mu, skip)
             else:
-                self.k.sgd_(w, g, m, lr, wd, mu, skip, opt == "nesterov")
+                self.k.sgd_(w, g, m, lr, wd, mu, skip, opt in ("nesterov", "muon"))
 
     def ema(self):
         """EMA_PARAM_UPDATE every ema_every steps (decay raised to that power); with

@@ -48,13 +48,16 @@ class Hyperparameters:
     beta2: float
     eps: float
     lars_eta: float
+    lr_muon: float = 0.0
+    muon_momentum: float = 0.0
 
 
 def hyperparameters(o: OptimizerConfig, global_batch: int) -> Hyperparameters:
     """Decoupled recipes give lr and weight decay per example and per 1024 examples of
     momentum-normalized steps (the CIFAR-10 speedruns' form); the update rules take the
     usual coupled values, so they are converted here once. The bias block's learning rate
-    is scaled by bias_lr_scale while its decay per step stays that of the weights."""
+    is scaled by bias_lr_scale while its decay per step stays that of the weights. Muon's
+    step size needs neither: its update has a fixed size whatever the batch and momentum."""
     lr, wd = o.lr, o.weight_decay
     if o.nominal_batch:
         lr *= global_batch / o.nominal_batch
@@ -63,4 +66,5 @@ def hyperparameters(o: OptimizerConfig, global_batch: int) -> Hyperparameters:
         lr, wd = lr * global_batch / kilostep, (wd / lr if lr else 0.0)
     lr_bias = lr * o.bias_lr_scale
     wd_bias = (wd / o.bias_lr_scale if o.bias_lr_scale else 0.0) if o.bias_weight_decay else 0.0
-    return Hyperparameters(lr, lr_bias, wd, wd_bias, o.momentum, o.beta2, o.eps, o.lars_eta)
+    return Hyperparameters(lr, lr_bias, wd, wd_bias, o.momentum, o.beta2, o.eps, o.lars_eta, o.muon_lr,
+                           o.muon_momentum)

@@ -24,7 +24,8 @@ from trainer.variants import Variant, derive_variants
 def make_model(cfg: TrainConfig) -> nn.Module:
     m = cfg.model
     try:
-        model = build_model(m.name, m.num_classes, m.depth, m.width, m.widths, m.stem, m.stem_norm)
+        model = build_model(m.name, m.num_classes, m.depth, m.width, m.widths, m.stem, m.stem_norm, m.logit_scale,
+                            m.head_std)
     except ValueError as e:
         raise ConfigError(f"model: {e}") from None
     return model.to(memory_format=torch.channels_last)
@@ -96,11 +97,12 @@ def assemble(cfg: TrainConfig, device: torch.device, world: int = 1,
             late_frozen.append(module)
         else:  # frozen from the start: backward never computes its gradients
             module.requires_grad_(False)
+    h = hyperparameters(cfg.optimizer, t.batch_size * world)
     ops = RangeOps(plans.main, arena, load_kernels(cfg.kernels, device), bias_lr_scale=cfg.optimizer.bias_lr_scale,
                    ema_every=t.ema_every, ema_warmup_power=t.ema_warmup_power, lookahead=t.lookahead,
                    growth_interval=t.grad_scale_growth_interval, dynamic_scale=cfg.amp_dtype == "fp16",
-                   freezes=freezes)
-    h = hyperparameters(cfg.optimizer, t.batch_size * world)
+                   freezes=freezes, muon_lr_scale=h.lr_muon / h.lr_weight if h.lr_weight else 0.0,
+                   newton_schulz_steps=cfg.optimizer.newton_schulz_steps)
     ops.init_scalars(h, [h.lr_weight * f for f in lr_multipliers(cfg.schedule, steps, per_epoch)],
                      t.grad_scale_init)
     ops.set_ema_decay(cfg.ema_decay)
