@@ -47,6 +47,7 @@ BAD = {
     "misspelled-key": (["trainer.bach_size=3"], "bach_size", False),
     "negative-batch-size": (["trainer.batch_size=-3"], "trainer.batch_size=-3", True),
     "host-decode-share-above-one": (["data.host_decode=1.5"], "data.host_decode=1.5 must lie in [0, 1]", True),
+    "muon-without-a-schedule-peak": (["optimizer=muon", "optimizer.lr=0"], "optimizer=muon with optimizer.lr=0", True),
 }
 
 

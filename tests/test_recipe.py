@@ -210,3 +210,22 @@ def test_fractional_epochs_stop_the_last_epoch_part_way(tmp_path):
     assert summary["epochs"] == 2 and [r["epoch"] for r in trainer.history] == [1, 2]
     assert trainer.images == 11 * 8, "the second epoch trains 4 of its 7 batches"
     assert trainer.ops.s[B.LR_SCHEDULE].numel() == 11
+
+
+# -- the fast net's head -----------------------------------------------------------------
+def test_fastnet_head_starts_at_head_std_and_takes_scaled_features():
+    """head_std sets the head's initial std (0 keeps torch's); the logit scale multiplies the
+    head's input, not its output, so that in fp16 the unscaled logits never exist."""
+    from trainer.models import build_model
+    torch.manual_seed(0)
+    model = build_model("fastnet", 10, widths=(16, 32, 32), logit_scale=1 / 256, head_std=1.0).eval()
+    assert model.fc.weight.std().item() == pytest.approx(1.0, rel=1e-5)
+    assert build_model("fastnet", 10, widths=(16, 32, 32)).fc.weight.std() < 0.2, "0 keeps torch's init"
+    seen = []
+    model.fc.register_forward_hook(lambda m, args, out: seen.append(args[0]))
+    x = torch.randn(2, 3, 32, 32)
+    logits = model(x)
+    with torch.no_grad():
+        features = model.groups(F.gelu(model.stem_bn(model.stem(x)))).amax((2, 3))
+    torch.testing.assert_close(seen[0], features / 256)
+    torch.testing.assert_close(logits, features @ model.fc.weight.T / 256)
