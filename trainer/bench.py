@@ -125,8 +125,7 @@ def ours(cfg: TrainConfig, device) -> Result:
     first = time.perf_counter() - t0
     ms = statistics.median(_timed_steps(step, cfg.bench.steps, cfg.bench.warmup, device))
     name = f"ours {cfg.optimizer.name}" + (f" {cfg.amp_dtype}" if cfg.amp else " fp32") + (
-        " compile" + ("" if cfg.compile_mode == "default" else " autotune") if cfg.compile else "") + (
-        "" if engine.executor.use_graphs else " eager")
+        " compile" if cfg.compile else "") + ("" if engine.executor.use_graphs else " eager")
     result = Result(name, ms, cfg.trainer.batch_size / ms * 1000, _peak_gib(device), first)
     del engine
     return result

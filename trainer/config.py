@@ -136,9 +136,6 @@ class TrainConfig:
     graphs: bool = True  # on a GPU, replay captured CUDA graphs; false runs the same program eagerly
     kernels: str = "auto"  # auto | torch | triton: implementation of the range ops
     compile: bool = False  # run inductor on forward and backward inside the captured step
-    # inductor's mode under compile=true: default | max-autotune-no-cudagraphs (times Triton and
-    # cuDNN candidates for convolutions and matmuls at compile time: minutes more of set-up)
-    compile_mode: str = "default"
     device: str = "auto"  # auto | cpu | cuda
     checkpoint: str = ""  # eval / export: the checkpoint to read (default: the newest of the run)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -166,7 +163,6 @@ _CHOICES = {
     "mode": ("train", "plan", "eval", "export", "bench"),
     "amp_dtype": ("fp16", "bf16"),
     "kernels": ("auto", "torch", "triton"),
-    "compile_mode": ("default", "max-autotune-no-cudagraphs"),
     "device": ("auto", "cpu", "cuda"),
     "model.stem": ("imagenet", "cifar"),
     "model.stem_norm": ("bias", "none"),
