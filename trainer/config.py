@@ -21,7 +21,7 @@ class ModelConfig:
     widths: list[int] = field(default_factory=lambda: [64, 256, 256])  # fastnet: channels per group
     stem: str = "imagenet"  # torchvision ResNets: imagenet (7x7, max-pool) | cifar (3x3, no max-pool)
     stem_norm: str = "bias"  # fastnet: after the stem conv, bias (a bias-only BatchNorm) | none
-    logit_scale: float = 1 / 9  # fastnet: the head's output is multiplied by this (airbench94: 1/9)
+    logit_scale: float = 1 / 9  # fastnet: scales the logits, applied to the head's input (airbench94_muon: 1/256)
     head_std: float = 0.0  # fastnet: the head's initial weight std; 0 keeps torch's (1/sqrt(3 fan_in))
 
 

@@ -89,13 +89,13 @@ class ConvGroup(nn.Module):
 class FastNet(nn.Module):
     """A VGG-like net for small images after the CIFAR-10 speedruns (airbench): a 2x2 stem
     conv of 2*3*2*2 = 24 filters (patch-whitened from the data when the recipe asks),
-    conv-BN-GELU groups with max-pooling, a bias-free linear head whose output is scaled
-    by 1/9. Where airbench gives the stem conv a bias, trained for the first epochs, the
+    conv-BN-GELU groups with max-pooling, a bias-free linear head whose logits are scaled
+    by logit_scale (1/9; the Muon recipe 1/256). Where airbench gives the stem conv a bias, trained for the first epochs, the
     stem here is followed by a bias-only BatchNorm (stem_norm="bias": the planner places BN
     biases) or by nothing (stem_norm="none"): then a frozen stem has no parameter upstream
     of it, and backward skips the first group's input gradient and the stem's BatchNorm,
     8% of the CIFAR recipe's training time (docs/BENCHMARKS.md). The recipe keeps the bias
-    and gets most of that back by freezing the BatchNorm after 2 epochs
+    and gets most of that back by freezing the BatchNorm after a few epochs
     (trainer.stem_norm_freeze_epochs), statistics included."""
 
     def __init__(self, widths=(64, 256, 256), stem_width: int = 24, num_classes: int = 10,
@@ -109,7 +109,7 @@ class FastNet(nn.Module):
             cin = w
         self.groups = nn.Sequential(*groups)
         self.fc = nn.Linear(cin, num_classes, bias=False)
-        if head_std:  # the speedruns start the head at unit std, 28x torch's default
+        if head_std:  # airbench94_muon starts its head at unit std; torch's is 1/sqrt(3 fan_in)
             with torch.no_grad():
                 self.fc.weight.mul_(head_std / self.fc.weight.std())
         self.logit_scale = logit_scale
