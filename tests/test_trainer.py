@@ -1,6 +1,7 @@
 """The trainer end to end on the CPU: the default run, resume, export, multirun, config
 groups and the non-finite-loss paths."""
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -254,3 +255,12 @@ def test_freezing_a_stem_norm_the_model_lacks_is_a_clear_error(tmp_path):
 def test_a_stem_norm_freezing_before_its_input_is_fixed_is_refused(first_conv, stem_norm):
     with pytest.raises(ConfigError, match="stem_norm_freeze_epochs"):
         config(f"trainer.first_conv_freeze_epochs={first_conv}", f"trainer.stem_norm_freeze_epochs={stem_norm}")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the warning is for CPU runs")
+@pytest.mark.parametrize("amp,warned", [(["amp=true"], True), (["amp=true", "amp_dtype=bf16"], False), ([], False)])
+def test_fp16_on_the_cpu_is_warned_about(tmp_path, caplog, amp, warned):
+    from trainer.loop import Trainer
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        Trainer(config(*TINY, *amp), tmp_path, Dist())
+    assert ("amp_dtype=bf16 is faster" in caplog.text) == warned, caplog.text

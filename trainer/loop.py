@@ -41,6 +41,9 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             torch.backends.cudnn.benchmark = True
+        elif cfg.amp and cfg.amp_dtype == "fp16":
+            log.warning("amp=true with fp16 on the CPU: CPUs compute fp16 convolutions about 18x slower than "
+                        "fp32 (the CIFAR recipe's net: 50 against 890 img/s); amp_dtype=bf16 is faster than fp32")
         torch.manual_seed(t.seed)
 
         self.train_source, self.val_source = build_sources(
