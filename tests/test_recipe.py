@@ -229,3 +229,16 @@ def test_fastnet_head_starts_at_head_std_and_takes_scaled_features():
         features = model.groups(F.gelu(model.stem_bn(model.stem(x)))).amax((2, 3))
     torch.testing.assert_close(seen[0], features / 256)
     torch.testing.assert_close(logits, features @ model.fc.weight.T / 256)
+
+
+def test_muon_recipe_is_airbench94_muon_in_mean_loss_units():
+    """airbench94_muon sums its loss over 2000 examples with head lr 0.67, bias lr 0.053 and
+    decay 2e-6 x 2000 per unit lr; ours is the batch mean, so the SGD part's lr is 2000x and
+    the decay per step (lr x decay) the same 0.004 in both blocks."""
+    cfg = compose_config(["+experiment=cifar10_speed", "data.root=/data"])
+    h = hyperparameters(cfg.optimizer, cfg.trainer.batch_size)
+    assert cfg.trainer.batch_size == 2000 and cfg.optimizer.name == "muon"
+    assert h.lr_weight == pytest.approx(0.67 * 2000) and h.lr_bias == pytest.approx(0.053 * 2000, rel=1e-3)
+    assert h.lr_weight * h.weight_decay == pytest.approx(0.004, rel=1e-3)
+    assert h.lr_bias * h.weight_decay_bias == pytest.approx(0.004, rel=1e-3)
+    assert (h.lr_muon, h.muon_momentum, cfg.optimizer.newton_schulz_steps) == (0.24, 0.6, 3)
