@@ -1,5 +1,6 @@
-"""The CIFAR-10 speed recipe's tricks on the CPU: patch whitening, decoupled hyperparameters,
-the bias block's learning-rate scale, the EMA's warm-up and period, fractional epochs."""
+"""The CIFAR-10 speed recipes' tricks on the CPU: patch whitening, decoupled hyperparameters,
+the bias block's learning-rate scale, the EMA's warm-up and period, fractional epochs, the
+fast net's head, the Muon recipe's units."""
 import math
 
 import pytest
