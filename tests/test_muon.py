@@ -20,11 +20,12 @@ from trainer.range_ops import RangeOps
 STEPS = 12
 
 
-def muon_ops(model, steps=STEPS, ns_steps=5, **config):
-    plans, arena, _ = bound(model, steps=steps, optimizer="muon", **config)
+def muon_ops(model):
+    """Range ops under optimizer=muon, with a schedule falling linearly over STEPS."""
+    plans, arena, _ = bound(model, steps=STEPS, optimizer="muon")
     h = dataclasses.replace(hyper(lr=0.05, wd=1e-2, momentum=0.85), lr_muon=0.03, muon_momentum=0.6)
-    ops = RangeOps(plans.main, arena, reference, muon_lr_scale=h.lr_muon / h.lr_weight, newton_schulz_steps=ns_steps)
-    ops.init_scalars(h, [h.lr_weight * (1 - t / steps) for t in range(steps)], 1.0)
+    ops = RangeOps(plans.main, arena, reference, muon_lr_scale=h.lr_muon / h.lr_weight, newton_schulz_steps=5)
+    ops.init_scalars(h, [h.lr_weight * (1 - t / STEPS) for t in range(STEPS)], 1.0)
     return ops, h
 
 
@@ -48,7 +49,7 @@ def test_padded_batch_orthogonalizes_each_matrix_as_alone():
 
 
 def test_muon_equals_torch_optim():
-    """20 steps: deep convs renormalized to norm sqrt(out) then torch.optim.Muon (same momentum
+    """12 steps: deep convs renormalized to norm sqrt(out) then torch.optim.Muon (same momentum
     and step, lr following the schedule); bias block, FC weight and first conv torch's Nesterov SGD."""
     model = small_cnn(layers=3)
     ref = [p.detach().clone() for p in model.parameters()]

@@ -90,13 +90,13 @@ class FastNet(nn.Module):
     """A VGG-like net for small images after the CIFAR-10 speedruns (airbench): a 2x2 stem
     conv of 2*3*2*2 = 24 filters (patch-whitened from the data when the recipe asks),
     conv-BN-GELU groups with max-pooling, a bias-free linear head whose logits are scaled
-    by logit_scale (1/9; the Muon recipe 1/256). Where airbench gives the stem conv a bias, trained for the first epochs, the
-    stem here is followed by a bias-only BatchNorm (stem_norm="bias": the planner places BN
-    biases) or by nothing (stem_norm="none"): then a frozen stem has no parameter upstream
-    of it, and backward skips the first group's input gradient and the stem's BatchNorm,
-    8% of the CIFAR recipe's training time (docs/BENCHMARKS.md). The recipe keeps the bias
-    and gets most of that back by freezing the BatchNorm after a few epochs
-    (trainer.stem_norm_freeze_epochs), statistics included."""
+    by logit_scale (1/9; the Muon recipe 1/256). Where airbench gives the stem conv a bias,
+    trained for the first epochs, the stem here is followed by a bias-only BatchNorm
+    (stem_norm="bias": the planner places BN biases) or by nothing (stem_norm="none"):
+    then a frozen stem has no parameter upstream of it, and backward skips the first
+    group's input gradient and the stem's BatchNorm, 8% of the CIFAR recipe's training time
+    (docs/BENCHMARKS.md). The recipes keep the bias and get most of that back by freezing
+    the BatchNorm after a few epochs (trainer.stem_norm_freeze_epochs), statistics included."""
 
     def __init__(self, widths=(64, 256, 256), stem_width: int = 24, num_classes: int = 10,
                  logit_scale: float = 1 / 9, stem_norm: str = "bias", head_std: float = 0.0):
