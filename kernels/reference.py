@@ -110,17 +110,22 @@ def _reflect(i, size: int):
 
 def crop_flip_normalize_(images, labels, table, mean, inv_std, out, out_label, out_mask):
     """A batch from resident uint8 images (n, H, W, 3), one row of `table` (example, dy, dx,
-    flip, real) per output image: out[b] = (the example's H x W crop at (dy, dx) of its
-    reflect-padded self, mirrored where flip, minus mean) * inv_std, in out's dtype (b, H,
-    W, C); channels past 3 are zero. out_label[b] = labels[example]; out_mask[b] = real
-    (out_mask may be None)."""
+    flip, real, cut_y, cut_x, cut_size) per output image: out[b] = (the example's H x W crop
+    at (dy, dx) of its reflect-padded self, mirrored where flip, minus mean) * inv_std, in
+    out's dtype (b, H, W, C), then 0 (the mean) in the cut_size square at (cut_y, cut_x) of
+    the output, clipped by its edges; channels past 3 are zero. out_label[b] =
+    labels[example]; out_mask[b] = real (out_mask may be None)."""
     _, h, w, _ = images.shape
     idx, dy, dx, flip = table[:, 0], table[:, 1], table[:, 2], table[:, 3].bool()
     rows = _reflect(dy[:, None] + torch.arange(h, device=dy.device), h)
     cols = _reflect(dx[:, None] + torch.arange(w, device=dx.device), w)
     cols = torch.where(flip[:, None], cols.flip(1), cols)
     pixels = images[idx[:, None, None], rows[:, :, None], cols[:, None, :]]
-    out[..., :3].copy_((pixels.float() - mean) * inv_std)
+    cut_y, cut_x, cut = table[:, 5, None], table[:, 6, None], table[:, 7, None]
+    i, j = torch.arange(h, device=table.device), torch.arange(w, device=table.device)
+    in_rows, in_cols = (i >= cut_y) & (i < cut_y + cut), (j >= cut_x) & (j < cut_x + cut)
+    kept = ~(in_rows[:, :, None] & in_cols[:, None, :])
+    out[..., :3].copy_(torch.where(kept[..., None], (pixels.float() - mean) * inv_std, 0.0))
     out[..., 3:].zero_()
     out_label.copy_(labels[idx])
     if out_mask is not None:

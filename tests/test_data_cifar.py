@@ -123,6 +123,25 @@ def test_alternating_flip_mirrors_each_image_the_other_way_next_epoch(batches):
     assert all(m[1] != m[0] and m[2] == m[0] for m in mirrored.values())
 
 
+def test_cutout_sets_one_clipped_square_per_training_image_to_the_mean(batches):
+    train, val = build_sources(config(batches, val_batch=6, crop_padding=0, flip="none", cutout=8), CPU, 0, 1, None)
+    plain, sides = torch.from_numpy(fake_images(N_TRAIN, 0)).float(), set()
+    for data, _, _ in epoch(train, 5, 8):
+        for image in data:
+            cut = (image == 0).all(-1)  # normalized 0 is the mean
+            rows, cols = cut.any(1).nonzero()[:, 0], cut.any(0).nonzero()[:, 0]
+            # one square of side 8 centered in the image, or what of it the edges leave
+            assert len(rows) and len(cols) and cut.sum() == len(rows) * len(cols)
+            assert 4 <= len(rows) <= 8 and 4 <= len(cols) <= 8
+            assert rows[-1] - rows[0] + 1 == len(rows) and cols[-1] - cols[0] + 1 == len(cols)
+            sides.add((len(rows), len(cols)))
+            index = int(pixels(image[None])[0][~cut][0, 0].round())  # red: the image's index
+            torch.testing.assert_close(pixels(image[None])[0][~cut], plain[index][~cut], atol=1e-3, rtol=0)
+    assert (8, 8) in sides and len(sides) > 2  # inside the image, and clipped by its edges
+    data = torch.cat([d for d, _, _ in epoch(val, 2, 6)])  # evaluation: no cutout
+    torch.testing.assert_close(pixels(data), torch.from_numpy(fake_images(N_VAL, 100)).float(), atol=1e-3, rtol=0)
+
+
 def test_last_partial_batch_and_low_resolution(batches):
     train, _ = build_sources(config(batches, batch=16, drop_last=False), CPU, 0, 1, None)
     assert train.size == 40

@@ -4,7 +4,7 @@ import pytest
 
 from trainer.config import DataConfig
 from trainer.data import dataset_sizes
-from trainer.data.source import Shard, crop_offsets, flips, subset
+from trainer.data.source import Shard, crop_offsets, cutout_corners, flips, subset
 
 
 def rank_batches(total, batch, world, epoch, train=True, drop_last=True, seed=3):
@@ -76,6 +76,14 @@ def test_alternating_flips_mirror_exactly_the_images_not_mirrored_the_epoch_befo
 def test_crop_offsets_cover_the_padding_range():
     corners = crop_offsets(2000, 2, 0, 0)
     assert corners.shape == (2000, 2) and set(corners.ravel()) == {0, 1, 2, 3, 4}
+
+
+def test_cutout_squares_are_centered_anywhere_in_the_image():
+    corners = cutout_corners(5000, 8, 32, 24, 0, 0)
+    centers = corners + 4
+    assert centers[:, 0].min() == 0 and centers[:, 0].max() == 31
+    assert centers[:, 1].min() == 0 and centers[:, 1].max() == 23
+    assert not np.array_equal(corners, cutout_corners(5000, 8, 32, 24, 0, 1))  # drawn anew each epoch
 
 
 def test_a_capped_split_is_a_fixed_random_subset():

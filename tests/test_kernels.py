@@ -187,14 +187,16 @@ def test_swap(dtype):
 @pytest.mark.parametrize("dtype,channels,with_mask", [(torch.float16, 4, True), (torch.float32, 3, False),
                                                       (torch.bfloat16, 4, True)])
 def test_crop_flip_normalize(dtype, channels, with_mask):
-    """Crops reaching past every edge (reflected back), flipped and not, repeated examples."""
+    """Crops reaching past every edge (reflected back), flipped and not, repeated examples,
+    cutout squares inside, clipped by an edge, and of side 0."""
     g = torch.Generator().manual_seed(0)
     n, h, w, b = 20, 8, 6, 9
     images = torch.randint(0, 256, (n, h, w, 3), dtype=torch.uint8, generator=g).to(DEVICE)
     labels = torch.randint(0, 10, (n,), dtype=torch.int32, generator=g).to(DEVICE)
     table = torch.stack([torch.randint(0, n, (b,), generator=g), torch.randint(-3, 4, (b,), generator=g),
                          torch.randint(-3, 4, (b,), generator=g), torch.arange(b) % 2,
-                         torch.randint(0, 2, (b,), generator=g)], 1).to(DEVICE)
+                         torch.randint(0, 2, (b,), generator=g), torch.randint(-2, h, (b,), generator=g),
+                         torch.randint(-2, w, (b,), generator=g), torch.arange(b) % 4], 1).to(DEVICE)
     mean, inv_std = rand(3, seed=1).abs() * 255, 1 / (rand(3, seed=2).abs() * 255 + 1)
     out = torch.full((b, h, w, channels), float("nan"), dtype=dtype, device=DEVICE)
     label, mask = torch.full((b,), -1, dtype=torch.int32, device=DEVICE), torch.full((b,), -1, dtype=torch.int8,

@@ -257,6 +257,28 @@ def test_a_stem_norm_freezing_before_its_input_is_fixed_is_refused(first_conv, s
         config(f"trainer.first_conv_freeze_epochs={first_conv}", f"trainer.stem_norm_freeze_epochs={stem_norm}")
 
 
+def test_bench_sets_our_step_beside_the_plain_loop_and_profiles_it():
+    from trainer import bench
+    cfg = config("mode=bench", "trainer.batch_size=32", "bench.steps=2", "bench.warmup=1",
+                 "bench.baselines=[eager_bf16]", "bench.profile=3")
+    text = bench.run(cfg, torch.device("cpu"), cfg.bench.optimizers)
+    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in text.splitlines() if line.startswith("| ")}
+    eager, ours = rows["eager_bf16"], rows["ours momentum fp32 eager"]
+    assert eager[2].strip() == "1.00x"
+    ratio = float(ours[2].strip().rstrip("x"))  # images/s against eager's, from the two timings
+    assert ratio == pytest.approx(float(eager[0]) / float(ours[0]), rel=0.02)
+    # the profile: the step's operators, which add up to most of the measured step
+    total = next(v for k, v in rows.items() if k.startswith("all, against the measured"))
+    assert 0.3 < float(total[2].strip().rstrip("%")) / 100 <= 1.05
+    assert rows["aten::convolution_backward"][0].strip() == "7"  # the fast net's seven convolutions
+
+
+@pytest.mark.parametrize("overrides", [["data.cutout=8"], ["data=cifar10", "data.root=x", "data.cutout=33"]])
+def test_cutout_beyond_the_resident_small_images_is_refused(overrides):
+    with pytest.raises(ConfigError, match="data.cutout"):
+        config(*overrides)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the warning is for CPU runs")
 @pytest.mark.parametrize("amp,warned", [(["amp=true"], True), (["amp=true", "amp_dtype=bf16"], False), ([], False)])
 def test_fp16_on_the_cpu_is_warned_about(tmp_path, caplog, amp, warned):

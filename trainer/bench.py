@@ -25,6 +25,7 @@ class Result:
     images_per_s: float
     peak_gib: float
     first_step_s: float
+    profile: str = ""
 
 
 def _timed_steps(step, steps: int, warmup: int, device) -> list[float]:
@@ -126,9 +127,31 @@ def ours(cfg: TrainConfig, device) -> Result:
     ms = statistics.median(_timed_steps(step, cfg.bench.steps, cfg.bench.warmup, device))
     name = f"ours {cfg.optimizer.name}" + (f" {cfg.amp_dtype}" if cfg.amp else " fp32") + (
         " compile" if cfg.compile else "") + ("" if engine.executor.use_graphs else " eager")
-    result = Result(name, ms, cfg.trainer.batch_size / ms * 1000, _peak_gib(device), first)
+    result = Result(name, ms, cfg.trainer.batch_size / ms * 1000, _peak_gib(device), first,
+                    profile(step, cfg.bench.profile, ms, device) if cfg.bench.profile else "")
     del engine
     return result
+
+
+def profile(step, steps: int, step_ms: float, device, rows: int = 25) -> str:
+    """Where a step's time goes: its kernels (on a CPU, its operators) by their own time per
+    step over `steps` steps, largest first, as a markdown table; the first row is what they
+    add up to against the measured step."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    gpu = device.type == "cuda"
+    with torch_profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+        _sync(device)
+    own = (lambda e: e.self_device_time_total) if gpu else (lambda e: e.self_cpu_time_total)
+    events = sorted((e for e in prof.key_averages() if own(e) > 0), key=own, reverse=True)
+    total = sum(own(e) for e in events) / 1000 / steps
+    lines = [f"| {'kernel' if gpu else 'operator'} | calls/step | ms/step | share of the step |", "|---|---|---|---|",
+             f"| all, against the measured {step_ms:.2f} ms | | {total:.3f} | {total / step_ms:.0%} |"]
+    for e in events[:rows]:
+        ms = own(e) / 1000 / steps
+        lines.append(f"| {e.key[:90]} | {e.count / steps:g} | {ms:.3f} | {ms / step_ms:.1%} |")
+    return "\n".join(lines)
 
 
 def table(cfg: TrainConfig, results: list[Result], device) -> str:
@@ -143,6 +166,9 @@ def table(cfg: TrainConfig, results: list[Result], device) -> str:
         vs = lambda base: f"{r.images_per_s / base.images_per_s:.2f}x" if base else "-"
         lines.append(f"| {r.method} | {r.ms:.2f} | {r.images_per_s:,.0f} | {vs(eager)} | {vs(compiled)} | "
                      f"{r.peak_gib:.2f} | {r.first_step_s:.1f} |")
+    for r in results:
+        if r.profile:
+            lines += ["", f"{r.method}, {cfg.bench.profile} steps profiled:", "", r.profile]
     return "\n".join(lines)
 
 

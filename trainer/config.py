@@ -70,6 +70,7 @@ class DataConfig:
     val_size: int = 0
     crop_padding: int = 4  # small-image random crop: pad by this, crop back
     flip: str = "random"  # random | alternating | none
+    cutout: int = 0  # cifar10 training: a square of this side, centered at random, set to the mean; 0 off
     val_resize: float = 1.14  # imagefolder evaluation: resize the short side to resolution*this, center crop
     min_crop_area: float = 0.25  # imagefolder training: random-resized crop area range [this, 1]
     threads: int = 0  # DALI decoding and file-reading threads per rank; 0: the cores shared among local ranks
@@ -123,6 +124,7 @@ class BenchConfig:
     baselines: list[str] = field(default_factory=lambda: ["eager_bf16", "eager_fp16", "compile_bf16"])
     optimizers: list[str] = field(default_factory=lambda: ["momentum"])  # our step, once per optimizer
     out: str = ""  # also append the table to this markdown file
+    profile: int = 0  # also profile this many steps of ours: where its time goes, kernel by kernel
 
 
 @dataclass
@@ -179,7 +181,7 @@ _POSITIVE = ("model.logit_scale", "trainer.epochs", "trainer.batch_size", "data.
 _NON_NEGATIVE = ("model.head_std", "optimizer.lr", "optimizer.muon_lr", "trainer.ema_warmup_power", "data.threads", "optimizer.weight_decay", "optimizer.bias_lr_scale", "optimizer.lars_eta",
                  "trainer.val_batch_size", "trainer.lowres_epochs", "trainer.checkpoint_every",
                  "trainer.stop_after_epoch", "schedule.warmup_epochs", "data.train_size", "data.val_size",
-                 "data.crop_padding", "bench.warmup", "optimizer.nominal_batch", "data.tta")
+                 "data.crop_padding", "data.cutout", "bench.warmup", "bench.profile", "optimizer.nominal_batch", "data.tta")
 _FRACTIONS = ("optimizer.momentum", "optimizer.muon_momentum", "optimizer.beta2", "ema_decay", "trainer.label_smoothing",
               "schedule.final_fraction", "schedule.warmup_start_fraction", "data.min_crop_area")
 _CLOSED_FRACTIONS = ("data.host_decode",)
@@ -220,6 +222,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if t.stem_norm_freeze_epochs == 0:
         raise ConfigError("trainer.stem_norm_freeze_epochs=0: the stem norm needs some training to gather its "
                           "running statistics before it freezes with them; use a positive number of epochs or -1")
+    if cfg.data.cutout and (cfg.data.name != "cifar10" or cfg.data.cutout > cfg.data.resolution):
+        raise ConfigError(f"data.cutout={cfg.data.cutout}: cutout is applied to small images kept on the device "
+                          f"(data=cifar10, here data={cfg.data.name}) and at most data.resolution="
+                          f"{cfg.data.resolution} wide; set data.cutout=0 or use data=cifar10")
     if cfg.optimizer.name == "muon" and cfg.optimizer.lr == 0:
         raise ConfigError("optimizer=muon with optimizer.lr=0: lr is the schedule's peak, which Muon's step "
                           "follows too (optimizer.muon_lr at the peak); set a positive lr")

@@ -9,11 +9,14 @@ import torch.nn.functional as F
 
 import kernels
 from trainer.config import DataConfig
-from trainer.data.source import EpochPlan, Shard, crop_offsets, flips, on
+from trainer.data.source import EpochPlan, Shard, crop_offsets, cutout_corners, flips, on
+
+# a row of the kernel's table: example, crop corner (dy, dx), flip, real, cutout corner (y, x), cutout side
+TABLE_COLUMNS = 8
 
 
 class ResidentSource:
-    """Random crop with padding and flip for training, the plain image for evaluation.
+    """Random crop with padding, flip and cutout for training, the plain image for evaluation.
 
     The padding reflects the image, as airbench's does, rather than adding a border of
     one color. Each epoch's plan (example, crop corner, flip, real) is one small table
@@ -36,7 +39,7 @@ class ResidentSource:
         # the kernel compiles now, in set-up, not in the first timed fill.
         device, (h, w) = images.device, images.shape[1:3]
         channels, dtype = (3, torch.float32) if half is None else (4, half)
-        self._write(torch.zeros((1, 5), dtype=torch.int64, device=device),
+        self._write(torch.zeros((1, TABLE_COLUMNS), dtype=torch.int64, device=device),
                     torch.empty((1, h, w, channels), dtype=dtype, device=device),
                     torch.empty(1, dtype=torch.int32, device=device), torch.empty(1, dtype=torch.int8, device=device))
 
@@ -46,12 +49,15 @@ class ResidentSource:
         n, examples = self.shard.total, plan.examples
         # filled column by column: np.column_stack of these mixed dtypes took 5 ms of host
         # time for 50,000 examples, this 2.5 ms
-        table = np.zeros((len(examples), 5), np.int64)
+        table = np.zeros((len(examples), TABLE_COLUMNS), np.int64)
         table[:, 0], table[:, 4] = examples, plan.real
         if self.augment:
-            padding = self.d.crop_padding
+            padding, cut = self.d.crop_padding, self.d.cutout
             table[:, 1:3] = crop_offsets(n, padding, self.seed, epoch)[examples] - padding
             table[:, 3] = flips(self.d.flip, n, self.seed, epoch)[examples]
+            if cut:
+                table[:, 5:7] = cutout_corners(n, cut, *self.images.shape[1:3], self.seed, epoch)[examples]
+                table[:, 7] = cut
         self._plan, self._table, self._device_table = plan, torch.from_numpy(table), None
 
     def fill(self, data: torch.Tensor, label: torch.Tensor, mask: torch.Tensor | None, stream) -> None:
@@ -80,7 +86,7 @@ class ResidentSource:
     def peek(self, n: int) -> torch.Tensor:
         """The first n images of epoch 0's order, uncropped, unflipped, (n, 3, r, r) fp32."""
         idx = torch.from_numpy(self.shard.order(self.seed, 0)[:n] % self.shard.total)
-        table = torch.zeros((len(idx), 5), dtype=torch.int64)
+        table = torch.zeros((len(idx), TABLE_COLUMNS), dtype=torch.int64)
         table[:, 0] = idx
         r = self.d.resolution
         out = torch.empty((len(idx), r, r, 3), device=self.images.device)

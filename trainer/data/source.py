@@ -36,7 +36,7 @@ def rng(seed: int, *keys: int) -> np.random.Generator:
 
 # keys of the random streams, so that no two purposes share draws (one key per purpose:
 # numpy's seeding ignores trailing zeros, so [seed, key] and [seed, key, 0] are one stream)
-ORDER, FLIP, FIRST_FLIP, CROP, SUBSET, DALI_SEED = range(6)
+ORDER, FLIP, FIRST_FLIP, CROP, SUBSET, DALI_SEED, CUTOUT = range(7)
 
 
 class Shard:
@@ -119,6 +119,13 @@ def crop_offsets(n: int, padding: int, seed: int, epoch: int) -> np.ndarray:
     """(n, 2) top-left corners (y, x) of random crops within the image padded by `padding`:
     an offset of `padding` is the uncropped image."""
     return rng(seed, CROP, epoch).integers(0, 2 * padding + 1, (n, 2))
+
+
+def cutout_corners(n: int, size: int, h: int, w: int, seed: int, epoch: int) -> np.ndarray:
+    """(n, 2) top-left corners (y, x) of the cutout squares of side `size`: each centered
+    uniformly over the h x w image, so a square near an edge is clipped by it (cutout as
+    DeVries and Taylor define it)."""
+    return rng(seed, CUTOUT, epoch).integers(0, (h, w), (n, 2)) - size // 2
 
 
 def on(stream, data: torch.Tensor):
