@@ -1,4 +1,5 @@
 """The fused loss op and test-time augmentation against torch."""
+import pytest
 import torch
 from torch.nn import functional as F
 
@@ -52,3 +53,11 @@ def test_tta_logits_are_the_weighted_average_of_the_views():
     up_left, down_right = pad[..., :8, :8], pad[..., 2:, 2:]
     translated = sum(model(v) + model(v.flip(-1)) for v in (up_left, down_right)) / 4
     torch.testing.assert_close(tta.logits(model, x, 2), 0.5 * (model(x) + model(x.flip(-1))) / 2 + 0.5 * translated)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_tta_views_share_one_layout_so_a_compiled_model_compiles_once(level):
+    """The arena's input: channels-last NHWC storage padded to 4 channels, seen as 3."""
+    x = torch.randn(2, 8, 8, 4)[..., :3].permute(0, 3, 1, 2)
+    layouts = {(v.shape, v.stride()) for _, v in tta.views(x, level)}
+    assert len(layouts) == 1
