@@ -2,7 +2,7 @@
 # The GPU checks and benchmarks behind docs/BENCHMARKS.md, by section:
 #   bash bench/gpu_suite.sh tests kernels r50 r50b64 r18 cifar1 ...
 # Logs go to $OUT (or ./gpu_logs). The CIFAR sections read $CIFAR (default ../shared/data/cifar10-jpeg.tgz);
-# cifar5c and cifarprobe run +experiment=$EXP (default cifar10_speed) with the overrides in $ARGS;
+# they run +experiment=$EXP (default cifar10_speed); cifar5c and cifarprobe add the overrides in $ARGS;
 # cifar5c names its sweep cifar5$TAG:
 #   TAG=_freeze3 ARGS="trainer.stem_norm_freeze_epochs=3" bash bench/gpu_suite.sh cifar5c
 set -u
@@ -27,19 +27,23 @@ for s in "$@"; do case $s in
   r50compile) section r50compile 300 python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.baselines=[eager_bf16,compile_bf16]" compile=true hydra.run.dir=$OUT/r50c;;
   r50b64) section r50b64 120 python3 run.py mode=bench $R50 trainer.batch_size=64 "bench.baselines=[eager_bf16,eager_fp16]" hydra.run.dir=$OUT/r50b64;;
   r18) section r18 120 python3 run.py mode=bench model=resnet18_cifar data.resolution=32 amp=true trainer.batch_size=512 "bench.baselines=[eager_bf16,eager_fp16]" hydra.run.dir=$OUT/r18;;
-  cifar1) section cifar1 180 python3 run.py +experiment=cifar10_speed data.root=$CIFAR hydra.run.dir=$OUT/cifar1;;
-  cifar1c) section cifar1c 240 python3 run.py +experiment=cifar10_speed compile=true data.root=$CIFAR hydra.run.dir=$OUT/cifar1c;;
+  cifar1) section cifar1 180 python3 run.py +experiment=$EXP data.root=$CIFAR hydra.run.dir=$OUT/cifar1;;
+  cifar1c) section cifar1c 240 python3 run.py +experiment=$EXP compile=true data.root=$CIFAR hydra.run.dir=$OUT/cifar1c;;
   cifar5auto) c=false; grep -q '"val_top1"' $OUT/cifar1c/summary.json 2>/dev/null && c=true
-          section cifar5 360 python3 run.py -m +experiment=cifar10_speed compile=$c data.root=$CIFAR trainer.seed=0,1,2,3,4 hydra.sweep.dir=$OUT/cifar5
+          section cifar5 360 python3 run.py -m +experiment=$EXP compile=$c data.root=$CIFAR trainer.seed=0,1,2,3,4 hydra.sweep.dir=$OUT/cifar5
           python3 bench/seeds.py $OUT/cifar5;;
   r18c) section r18c 200 python3 run.py mode=bench model=resnet18_cifar data.resolution=32 amp=true trainer.batch_size=512 "bench.baselines=[eager_bf16,eager_fp16]" compile=true hydra.run.dir=$OUT/r18c;;
   r50b64c) section r50b64c 200 python3 run.py mode=bench $R50 trainer.batch_size=64 "bench.baselines=[eager_bf16]" compile=true hydra.run.dir=$OUT/r50b64c;;
   cifar5c) section cifar5$TAG 420 python3 run.py -m +experiment=$EXP compile=true data.root=$CIFAR trainer.seed=0,1,2,3,4 $ARGS hydra.sweep.dir=$OUT/cifar5$TAG
           python3 bench/seeds.py $OUT/cifar5$TAG;;
-  cifar5) section cifar5 300 python3 run.py -m +experiment=cifar10_speed data.root=$CIFAR trainer.seed=0,1,2,3,4 hydra.sweep.dir=$OUT/cifar5
+  cifar5) section cifar5 300 python3 run.py -m +experiment=$EXP data.root=$CIFAR trainer.seed=0,1,2,3,4 hydra.sweep.dir=$OUT/cifar5
           python3 bench/seeds.py $OUT/cifar5;;
   cifarprobe) section cifarprobe$TAG 200 python3 bench/cifar_probe.py data.root=$CIFAR compile=true $ARGS;;
-  resnet18) section resnet18 240 python3 run.py +experiment=cifar10_resnet18 data.root=$CIFAR hydra.run.dir=$OUT/resnet18;;
+  resnet18) section resnet18 560 python3 run.py -m +experiment=cifar10_resnet18 data.root=$CIFAR trainer.checkpoint_every=0 trainer.seed=0,1,2,3,4 hydra.sweep.dir=$OUT/resnet18
+          python3 bench/seeds.py $OUT/resnet18;;
+  r18p) section r18p 200 python3 run.py mode=bench model=resnet18_cifar data.resolution=32 amp=true trainer.batch_size=512 "bench.baselines=[eager_bf16]" compile=true bench.profile=20 hydra.run.dir=$OUT/r18p;;
+  coldsetup) section coldsetup 200 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" TORCH_LOGS=recompiles,dynamo python3 run.py +experiment=$EXP compile=true data.root=$CIFAR hydra.run.dir=$OUT/coldsetup
+          grep -E "Step 2|Recompiling" $OUT/coldsetup.log;;
   loader) python3 -m trainer.data.make_jpeg_tree /tmp/tree --classes 100 --per-class 130 --val-per-class 10 > /dev/null
           section loader 200 python3 bench/loader_bench.py data.root=/tmp/tree;;
   loader8) section loader8 200 python3 bench/loader_bench.py data.root=/tmp/tree data.threads=8;;
