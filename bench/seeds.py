@@ -16,4 +16,4 @@ print(f"{len(runs)} runs: val_top1 mean {statistics.mean(acc):.4f} (min {min(acc
       f"{statistics.median(r['setup_s'] for r in runs):.1f}; first step s median "
       f"{statistics.median(r['time_to_first_step_s'] for r in runs):.1f}")
 for r in runs:
-    print(json.dumps({k: r[k] for k in ("val_top1", "train_and_eval_s", "setup_s", "steps")}))
+    print(json.dumps({k: r.get(k) for k in ("val_top1", "train_and_eval_s", "setup_s", "setup_parts_s", "steps")}))

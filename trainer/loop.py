@@ -48,6 +48,7 @@ class Trainer:
 
         self.train_source, self.val_source = build_sources(
             cfg, self.device, dist.rank, dist.world, HALF[cfg.amp_dtype] if cfg.amp else None)
+        marks = [("data", self.clock())]  # set-up's parts, reported apart: they end at these times
         init = None
         if t.first_conv_init == "whiten":
             init = lambda model: whiten_first_conv(first_conv(model), self.train_source.peek(5000))
@@ -65,12 +66,17 @@ class Trainer:
             done = checkpoint.load(Path(t.resume), self.arena, self.meta, dist.rank)
             self.start_epoch, self.history = done["epoch"], done.get("history", [])
             log.info("resumed from %s after epoch %d", t.resume, self.start_epoch)
+        marks.append(("model_and_plan", self.clock()))
         # evaluation alone (mode=eval) needs no training graphs: their capture is seconds of set-up
         self.executor.capture(self.executor.keys(train=False) if evaluate_only else None)
         if cfg.ema:  # evaluation swaps the EMA weights in eagerly: compile those kernels now, not in the timed run
             self.ops.sema_switch()
             self.ops.sema_switch()
-        self.setup_s = self.clock()
+        marks.append(("warm_up_compile_capture", self.clock()))
+        self.setup_s = marks[-1][1]
+        self.setup_parts = {name: round(end - start, 3)
+                            for (name, end), start in zip(marks, [0.0] + [end for _, end in marks])}
+        log.info("set-up %.1f s: %s", self.setup_s, ", ".join(f"{k} {v:.1f} s" for k, v in self.setup_parts.items()))
 
     # -- the schedule of steps -----------------------------------------------------------
     def train_steps(self, epoch: int) -> list:
@@ -224,6 +230,7 @@ class Trainer:
                 "steps": steps, "epochs": self.history[-1]["epoch"] if self.history else 0,
                 "images_per_s": round(self.images / self.train_seconds, 1) if self.train_seconds else None,
                 "train_s": round(self.train_seconds, 3), "setup_s": round(self.setup_s, 3),
+                "setup_parts_s": self.setup_parts,
                 # first training step to last evaluation result: the time to accuracy
                 "train_and_eval_s": round(self.run_seconds, 3),
                 "wall_s": round(self.clock(), 3), "time_to_first_step_s": self.first_step_s,
