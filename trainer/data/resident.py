@@ -19,8 +19,8 @@ class ResidentSource:
     """Random crop with padding, flip and cutout for training, the plain image for evaluation.
 
     The padding reflects the image, as airbench's does, rather than adding a border of
-    one color. Each epoch's plan (example, crop corner, flip, real) is one small table
-    copied to the device by the epoch's first fill, on the fill's stream.
+    one color. Each epoch's plan (example, crop corner, flip, real, cutout) is one small
+    table copied to the device by the epoch's first fill, on the fill's stream.
     """
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, shard: Shard, num_classes: int,
