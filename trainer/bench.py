@@ -93,11 +93,7 @@ def plain_loop(cfg: TrainConfig, method: str, device) -> Result:
             scaler.step(opt)
             scaler.update()
 
-    step()
-    _sync(device)
-    first = time.perf_counter() - t0
-    ms = statistics.median(_timed_steps(step, cfg.bench.steps, cfg.bench.warmup, device))
-    result = Result(method, ms, b / ms * 1000, _peak_gib(device), first)
+    result = _measure(cfg, method, step, t0, device)
     del model, opt, net, x, y
     return result
 
@@ -121,16 +117,23 @@ def ours(cfg: TrainConfig, device) -> Result:
         engine.executor.run("train_base", BUFFERS[i % 2])
         i += 1
 
+    name = f"ours {cfg.optimizer.name}" + (f" {cfg.amp_dtype}" if cfg.amp else " fp32") + (
+        " compile" if cfg.compile else "") + ("" if engine.executor.use_graphs else " eager")
+    result = _measure(cfg, name, step, t0, device)
+    del engine
+    return result
+
+
+def _measure(cfg: TrainConfig, method: str, step, t0: float, device) -> Result:
+    """One method's numbers: time to first step (from t0 through one step), the median
+    step, peak memory, and with bench.profile where the step's time goes."""
     step()
     _sync(device)
     first = time.perf_counter() - t0
     ms = statistics.median(_timed_steps(step, cfg.bench.steps, cfg.bench.warmup, device))
-    name = f"ours {cfg.optimizer.name}" + (f" {cfg.amp_dtype}" if cfg.amp else " fp32") + (
-        " compile" if cfg.compile else "") + ("" if engine.executor.use_graphs else " eager")
-    result = Result(name, ms, cfg.trainer.batch_size / ms * 1000, _peak_gib(device), first,
-                    profile(step, cfg.bench.profile, ms, device) if cfg.bench.profile else "")
-    del engine
-    return result
+    peak = _peak_gib(device)  # before the profiler's own allocations
+    return Result(method, ms, cfg.trainer.batch_size / ms * 1000, peak, first,
+                  profile(step, cfg.bench.profile, ms, device) if cfg.bench.profile else "")
 
 
 def profile(step, steps: int, step_ms: float, device, rows: int = 25) -> str:

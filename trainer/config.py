@@ -124,7 +124,7 @@ class BenchConfig:
     baselines: list[str] = field(default_factory=lambda: ["eager_bf16", "eager_fp16", "compile_bf16"])
     optimizers: list[str] = field(default_factory=lambda: ["momentum"])  # our step, once per optimizer
     out: str = ""  # also append the table to this markdown file
-    profile: int = 0  # also profile this many steps of ours: where its time goes, kernel by kernel
+    profile: int = 0  # also profile this many steps of each method: where its time goes, kernel by kernel
 
 
 @dataclass
