@@ -80,3 +80,17 @@ def test_triton_and_torch_kernels_train_alike(tmp_path):
         t.fit()
         results.append(t.arena.flat(R.W_BN_BIAS, R.W_DEEP_CONV).cpu())
     torch.testing.assert_close(results[0], results[1], rtol=1e-3, atol=1e-4)
+
+
+def test_the_profile_sees_the_kernels_inside_the_step_graph():
+    """bench.profile on a GPU: our step is one graph replay, and the profile lists the
+    kernels inside it, whose time adds up to most of the measured step."""
+    from trainer import bench
+    cfg = config("mode=bench", "amp=true", "data.resolution=32", "trainer.batch_size=512", "bench.steps=10",
+                 "bench.warmup=3", "bench.baselines=[]", "bench.profile=5")
+    text = bench.run(cfg, torch.device("cuda"), cfg.bench.optimizers)
+    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in text.split("steps profiled:")[1].splitlines()
+            if line.startswith("| ")}
+    total = next(v for k, v in rows.items() if k.startswith("all, against the measured"))
+    assert 0.3 < float(total[2].strip().rstrip("%")) / 100 < 1.2, text
+    assert len(rows) > 10, text  # the fast net's convolutions, its fused kernels, the range ops
