@@ -2,8 +2,8 @@
 # The GPU checks and benchmarks behind docs/BENCHMARKS.md, by section:
 #   bash bench/gpu_suite.sh tests kernels r50 r50b64 r18 cifar1 ...
 # Logs go to $OUT (or ./gpu_logs). The CIFAR sections read $CIFAR (default ../shared/data/cifar10-jpeg.tgz);
-# they run +experiment=$EXP (default cifar10_speed); cifar5c and cifarprobe add the overrides in $ARGS;
-# cifar5c names its sweep cifar5$TAG:
+# the cifar* sections and coldsetup run +experiment=$EXP (default cifar10_speed); cifar5c and cifarprobe
+# add the overrides in $ARGS; cifar5c names its sweep cifar5$TAG:
 #   TAG=_freeze3 ARGS="trainer.stem_norm_freeze_epochs=3" bash bench/gpu_suite.sh cifar5c
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"

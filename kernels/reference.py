@@ -9,6 +9,8 @@ The Triton kernels in this package compute the same functions; tests hold them t
 import torch
 
 CHUNK = 128  # fp32 slots are multiples of 512 bytes: a 128-element chunk never straddles two tensors
+# a row of crop_flip_normalize_'s table: example, crop corner (dy, dx), flip, real, cutout corner (y, x), cutout side
+TABLE_COLUMNS = 8
 
 
 def _commit(skip: torch.Tensor, *pairs):

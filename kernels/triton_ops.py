@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import CHUNK
+from kernels.reference import CHUNK, TABLE_COLUMNS
 
 # Memory-bound kernels: 4096 elements per program gives a 25.6M-element range 6250 programs
 # (several waves on 132 SMs), and at 8 warps each thread moves 16 fp32 per tensor as four
@@ -260,12 +260,13 @@ def _reflect(i, size):
 
 @triton.jit
 def _crop_flip_normalize_kernel(img_ptr, labels_ptr, table_ptr, mean_ptr, inv_std_ptr, out_ptr, label_ptr,
-                                mask_ptr, H, W, C: tl.constexpr, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr):
+                                mask_ptr, H, W, C: tl.constexpr, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr,
+                                ROW: tl.constexpr):
     """One program per image: its table row read once, then every pixel and channel. (A
     program per output row did 32x the table reads and scheduling for 32x less work each:
     0.1-0.3 ms for a CIFAR batch of 1024, beside a 3 ms step it slows.)"""
     b = tl.program_id(0)
-    row = table_ptr + b * 8
+    row = table_ptr + b * ROW
     example, dy, dx, flip = tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
     cut_y, cut_x, cut = tl.load(row + 5), tl.load(row + 6), tl.load(row + 7)
     p = tl.arange(0, BLOCK)
@@ -293,10 +294,10 @@ def crop_flip_normalize_(images, labels, table, mean, inv_std, out, out_label, o
     """One launch for the whole batch (images, label, mask), instead of a dozen torch ops."""
     n, h, w, _ = images.shape
     assert out.shape[1:3] == (h, w) and out.shape[3] in (3, 4)
-    assert images.is_contiguous() and out.is_contiguous() and table.is_contiguous() and table.shape[1] == 8
+    assert images.is_contiguous() and out.is_contiguous() and table.is_contiguous() and table.shape[1] == TABLE_COLUMNS
     if len(table) == 0:
         return
     mask = out_mask if out_mask is not None else out_label
     _crop_flip_normalize_kernel[(len(table),)](images, labels, table, mean, inv_std, out, out_label, mask, h, w,
                                                C=out.shape[3], BLOCK=triton.next_power_of_2(h * w),
-                                               HAS_MASK=out_mask is not None, num_warps=4)
+                                               HAS_MASK=out_mask is not None, ROW=TABLE_COLUMNS, num_warps=4)

@@ -1,4 +1,5 @@
-"""Shared builders for tests: a small CNN bound into an arena with its range ops."""
+"""Shared builders for tests: a small CNN bound into an arena with its range ops; readers of
+what the trainer prints."""
 import torch
 from torch import nn
 
@@ -46,3 +47,15 @@ def serve(source, sizes, resolution, channels=3, dtype=torch.float32, mask=False
         source.fill(data, label, m, None)
         out.append((data, label, m))
     return out
+
+
+def table_rows(markdown: str) -> dict[str, list[str]]:
+    """A markdown table's body rows by their first cell: the other cells, stripped."""
+    return {cells[1].strip(): [c.strip() for c in cells[2:-1]]
+            for cells in (line.split("|") for line in markdown.splitlines() if line.startswith("| "))}
+
+
+def profile_share(profile: str) -> float:
+    """The share of the measured step that a bench profile's kernels (or operators) add up to."""
+    total = next(v for k, v in table_rows(profile).items() if k.startswith("all, against the measured"))
+    return float(total[2].rstrip("%")) / 100

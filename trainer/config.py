@@ -70,7 +70,7 @@ class DataConfig:
     val_size: int = 0
     crop_padding: int = 4  # small-image random crop: pad by this, crop back
     flip: str = "random"  # random | alternating | none
-    cutout: int = 0  # cifar10 training: a square of this side, centered at random, set to the mean; 0 off
+    cutout: int = 0  # cifar10 training: a square of this side (pixels of the stored image), centered at random, set to the mean; 0 off
     val_resize: float = 1.14  # imagefolder evaluation: resize the short side to resolution*this, center crop
     min_crop_area: float = 0.25  # imagefolder training: random-resized crop area range [this, 1]
     threads: int = 0  # DALI decoding and file-reading threads per rank; 0: the cores shared among local ranks
@@ -222,10 +222,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if t.stem_norm_freeze_epochs == 0:
         raise ConfigError("trainer.stem_norm_freeze_epochs=0: the stem norm needs some training to gather its "
                           "running statistics before it freezes with them; use a positive number of epochs or -1")
-    if cfg.data.cutout and (cfg.data.name != "cifar10" or cfg.data.cutout > cfg.data.resolution):
+    if cfg.data.cutout and cfg.data.name != "cifar10":
         raise ConfigError(f"data.cutout={cfg.data.cutout}: cutout is applied to small images kept on the device "
-                          f"(data=cifar10, here data={cfg.data.name}) and at most data.resolution="
-                          f"{cfg.data.resolution} wide; set data.cutout=0 or use data=cifar10")
+                          f"(data=cifar10, here data={cfg.data.name}); set data.cutout=0 or use data=cifar10")
     if cfg.optimizer.name == "muon" and cfg.optimizer.lr == 0:
         raise ConfigError("optimizer=muon with optimizer.lr=0: lr is the schedule's peak, which Muon's step "
                           "follows too (optimizer.muon_lr at the peak); set a positive lr")

@@ -7,9 +7,10 @@ def views(x: torch.Tensor, level: int) -> list[tuple[float, torch.Tensor]]:
     """level 0: the batch; 1: and its mirror image, half each; 2: half of that, and half
     the mirrored pairs of two one-pixel translations (up-left and down-right).
 
-    Every view of levels 1 and 2 is a channels-last copy, x included: a compiled model
-    specializes on strides, and the flipped, the translated and the arena's own
-    channel-padded layouts would each compile a graph of their own."""
+    Every view of levels 1 and 2, x included, comes in one channels-last layout (copied
+    where it is not already): a compiled model specializes on strides, and the flipped,
+    the translated and the arena's own channel-padded layouts would each compile a graph
+    of their own."""
     if level == 0:
         return [(1.0, x)]
     alike = lambda v: v.contiguous(memory_format=torch.channels_last)

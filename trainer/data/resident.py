@@ -8,11 +8,10 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from kernels.reference import TABLE_COLUMNS
 from trainer.config import DataConfig
 from trainer.data.source import EpochPlan, Shard, crop_offsets, cutout_corners, flips, on
-
-# a row of the kernel's table: example, crop corner (dy, dx), flip, real, cutout corner (y, x), cutout side
-TABLE_COLUMNS = 8
+from trainer.errors import DataError
 
 
 class ResidentSource:
@@ -29,6 +28,10 @@ class ResidentSource:
         self.images, self.labels = images.contiguous(), labels
         self.shard, self.size, self.num_classes = shard, shard.size, num_classes
         self.d, self.seed, self.augment = d, seed, augment
+        if d.cutout > min(images.shape[1:3]):
+            raise DataError(f"data.cutout={d.cutout} is wider than the stored images ({images.shape[1]}x"
+                            f"{images.shape[2]}), on which the square is drawn; set data.cutout to at most "
+                            f"{min(images.shape[1:3])}")
         self.mean = torch.tensor(mean, device=images.device) * 255
         self.inv_std = 1 / (torch.tensor(std, device=images.device) * 255)
         self._plan: EpochPlan | None = None
