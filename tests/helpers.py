@@ -2,6 +2,7 @@
 what the trainer prints."""
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import kernels.reference as reference
 from trainer.arena import Arena
@@ -34,6 +35,27 @@ def bound(model: nn.Module, steps: int = 20, batch: int = 4, resolution: int = 8
 
 def hyper(lr=0.05, wd=1e-2, momentum=0.9, beta2=0.999, eps=1e-8, eta=0.001) -> Hyperparameters:
     return Hyperparameters(lr, lr, wd, 0.0, momentum, beta2, eps, eta)
+
+
+def batches(n: int, batch=4, classes=5, seed=1) -> list:
+    """n random (8x8 image batch, labels) pairs for small_cnn."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 3, 8, 8, generator=g), torch.randint(0, classes, (batch,), generator=g))
+            for _ in range(n)]
+
+
+def arena_step(model, ops, x, y) -> list[torch.Tensor]:
+    """One training step through the range ops; returns the gradients it applied, for a
+    reference fed the same (gradients depend on the weights, so the update rule is compared)."""
+    ops.schedule()
+    ops.clear_grads()
+    F.cross_entropy(model(x).float(), y).backward()
+    grads = [p.grad.detach().clone() for p in model.parameters()]
+    ops.grad_scaling()
+    ops.update()
+    ops.cast_weights()
+    ops.advance()
+    return grads
 
 
 def serve(source, sizes, resolution, channels=3, dtype=torch.float32, mask=False, epoch=0) -> list:

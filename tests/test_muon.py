@@ -5,16 +5,14 @@ import math
 import pytest
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 import kernels.reference as reference
-from tests.helpers import bound, hyper, small_cnn
-from tests.test_range_ops import batches
+from tests.helpers import arena_step, batches, bound, hyper, small_cnn
 from trainer.config import compose_config
 from trainer.dist import Dist
 from trainer.loop import Trainer
-from trainer.muon import orthogonalize
 from trainer.errors import PlanError
+from trainer.muon import orthogonalize
 from trainer.range_ops import RangeOps
 
 STEPS = 12
@@ -54,16 +52,8 @@ def test_muon_equals_torch_optim():
     model = small_cnn(layers=3)
     ref = [p.detach().clone() for p in model.parameters()]
     ops, h = muon_ops(model)
-    grads = []
-    for x, y in batches(STEPS):
-        ops.schedule()
-        ops.clear_grads()
-        F.cross_entropy(model(x), y).backward()
-        grads.append([p.grad.detach().clone() for p in model.parameters()])
-        ops.grad_scaling()
-        ops.update()
-        ops.advance()
-    # Replay what the arena saw through torch.optim (gradients depend on the weights; the rule is compared).
+    grads = [arena_step(model, ops, x, y) for x, y in batches(STEPS)]
+    # Replay what the arena saw through torch.optim.
     deep = [i for i, p in enumerate(ref) if p.dim() == 4][1:]  # every conv but the first
     rest = [i for i in range(len(ref)) if i not in deep]
     matrices = {i: nn.Parameter(ref[i].reshape(len(ref[i]), -1)) for i in deep}

@@ -7,28 +7,12 @@ from torch import nn
 from torch.nn import functional as F
 
 import kernels.reference as reference
-from tests.helpers import bound, hyper, small_cnn
+from tests.helpers import arena_step, batches, bound, hyper, small_cnn
 from trainer.plan import Baseline as B
 from trainer.range_ops import RangeOps
 from trainer.regions import Region as R
 
 STEPS = 20
-
-
-def batches(n=STEPS, batch=4, classes=5, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(batch, 3, 8, 8, generator=g), torch.randint(0, classes, (batch,), generator=g))
-            for _ in range(n)]
-
-
-def arena_step(model, ops, x, y):
-    ops.schedule()
-    ops.clear_grads()
-    F.cross_entropy(model(x).float(), y).backward()
-    ops.grad_scaling()
-    ops.update()
-    ops.cast_weights()
-    ops.advance()
 
 
 def decay_groups(model, wd):
@@ -52,7 +36,7 @@ def test_optimizer_equals_torch_optim(name):
                               nesterov=name == "nesterov")
     _, _, ops = bound(model, optimizer=name)
     ops.init_scalars(h, [h.lr_weight] * STEPS, 1.0)
-    for x, y in batches():
+    for x, y in batches(STEPS):
         opt.zero_grad()
         F.cross_entropy(ref(x), y).backward()
         opt.step()
@@ -84,17 +68,8 @@ def test_lars_equals_float64_reference():
     _, _, ops = bound(model, optimizer="lars")
     ops.init_scalars(h, [h.lr_weight] * STEPS, 1.0)
     initial = [p.detach().clone() for p in model.parameters()]
-    grads_seq = []
-    for x, y in batches():
-        ops.schedule()
-        ops.clear_grads()
-        F.cross_entropy(model(x), y).backward()
-        grads_seq.append([p.grad.detach().clone() for p in model.parameters()])
-        ops.grad_scaling()
-        ops.update()
-        ops.advance()
-    # Replay the same gradients through the float64 rule (gradients depend on weights, so
-    # the reference is fed what the arena saw; the update rule is what is compared).
+    grads_seq = [arena_step(model, ops, x, y) for x, y in batches(STEPS)]
+    # Replay the same gradients through the float64 rule.
     *_, final = lars_float64(initial, grads_seq, h)
     for p, w in zip(model.parameters(), final):
         torch.testing.assert_close(p.double(), w, rtol=1e-5, atol=1e-6)
