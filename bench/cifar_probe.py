@@ -1,10 +1,11 @@
 """Where the CIFAR-10 speed recipe's time goes, on one GPU, in one process:
-the captured step replayed alone (and its frozen twin, when the stem freezes part way); one fill of a resident batch on the loader's stream;
-an epoch of the loop (fill beside replay); two epochs back to back; the evaluation; and
-the kernels of the step (torch profiler over 20 replays).
+the captured step replayed alone (and its frozen twin, when the stem freezes part way); one fill
+of a resident batch on the loader's stream; an epoch of the loop (fill beside replay); two epochs
+back to back; the evaluation; and the kernels of the step (bench.profile's table over 20 replays).
 
     [EXP=cifar10_speed_sgd] python bench/cifar_probe.py data.root=PATH/cifar10-jpeg.tgz [compile=true ...]
 """
+import itertools
 import os
 import sys
 import tempfile
@@ -12,9 +13,9 @@ import time
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from trainer.bench import profile  # noqa: E402
 from trainer.config import compose_config  # noqa: E402
 from trainer.dist import Dist  # noqa: E402
 from trainer.feeder import BUFFERS  # noqa: E402
@@ -58,11 +59,9 @@ def main(overrides: list[str]):
     }
     for name, ms in rows.items():
         print(f"| {name} | {ms:.3f} ms |")
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for i in range(20):
-            t.executor.run("train_base", BUFFERS[i % 2])
-        torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=100))
+    replay = itertools.count()
+    print(profile(lambda: t.executor.run("train_base", BUFFERS[next(replay) % 2]), 20,
+                  rows["step replayed alone (train_base)"], torch.device("cuda"), rows=30))
 
 
 if __name__ == "__main__":
