@@ -1,6 +1,4 @@
 """GPU behaviour of the whole step (run on the GPU machine: pytest -m gpu). Skipped without CUDA."""
-import copy
-
 import pytest
 import torch
 from tests.helpers import profile_share, table_rows

@@ -1,9 +1,6 @@
 """Range ops against torch.optim and float64 references, byte-exact targeting, AMP skips."""
-import copy
-
 import pytest
 import torch
-from torch import nn
 from torch.nn import functional as F
 
 import kernels.reference as reference

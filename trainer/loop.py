@@ -129,7 +129,7 @@ class Trainer:
         self.ops.reset_sums(B.TRAIN_SUMS)
         first_step = epoch * self.per_epoch
         log_every = self.cfg.trainer.log_every
-        s, a = self.ops.s, self.arena
+        a = self.arena
 
         def on_step(i, v):
             step = first_step + i + 1

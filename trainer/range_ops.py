@@ -15,7 +15,7 @@ from trainer.arena import Arena
 from trainer.muon import MuonUpdate
 from trainer.plan import Baseline as B
 from trainer.plan import MemoryPlan
-from trainer.regions import FAMILY, HALF_KINDS, Kind
+from trainer.regions import FAMILY, HALF_KINDS
 from trainer.regions import Region as R
 from trainer.schedule import Hyperparameters
 
