@@ -32,14 +32,14 @@ def new_pipeline(device: torch.device, threads: int, batch: int, seed: int, dept
                     prefetch_queue_depth=depth, exec_dynamic=True)
 
 
-def decode_all(names: list[str], encoded: list[np.ndarray], device: torch.device, threads: int,
-               batch: int = 1024) -> torch.Tensor:
-    """Decode same-sized JPEGs once into one uint8 (N, H, W, 3) tensor on the device."""
-    pipe = new_pipeline(device, threads, batch, seed=0)
+def decode_all(names: list[str], encoded: list[np.ndarray], threads: int, batch: int = 4096) -> torch.Tensor:
+    """Decode same-sized JPEGs once into one uint8 (N, H, W, 3) tensor in host memory. The
+    host's cores, not the GPU: nvJPEG's cost per image outweighs its speed for 32x32 images
+    (CIFAR-10's 50,000 on an H200's host: 3.4 s on the GPU, 1.7 s on 16 cores)."""
+    pipe = new_pipeline(torch.device("cpu"), threads, batch, seed=0)
     with pipe:
         jpegs = fn.external_source(name="jpegs", dtype=types.UINT8)
-        pipe.set_outputs(fn.decoders.image(jpegs, device="mixed" if device.type == "cuda" else "cpu",
-                                           output_type=types.RGB))
+        pipe.set_outputs(fn.decoders.image(jpegs, device="cpu", output_type=types.RGB))
     out = None
     for start in range(0, len(encoded), batch):
         chunk, chunk_names = encoded[start:start + batch], names[start:start + batch]
@@ -55,7 +55,7 @@ def decode_all(names: list[str], encoded: list[np.ndarray], device: torch.device
                             f"{len(chunk) - 1} after it: this data set's images must all have one size")
         images = images.as_tensor()
         if out is None:
-            out = torch.empty((len(encoded), *images.shape()[1:]), dtype=torch.uint8, device=device)
+            out = torch.empty((len(encoded), *images.shape()[1:]), dtype=torch.uint8)
         feed_ndarray(images, out[start:start + len(chunk)])
     return out
 

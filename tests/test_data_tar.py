@@ -1,0 +1,96 @@
+"""Archives read in memory: the tar reader against the standard library's, and CIFAR-10's
+JPEG tree read from its archive as from its folder."""
+import gzip
+import io
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from trainer.config import DataConfig, TrainConfig, TrainerConfig
+from trainer.data import build_sources
+from trainer.data.tar import tar_files
+from trainer.errors import DataError
+
+CPU = torch.device("cpu")
+LONG = "train/" + "a-long-class-name-" * 6 + "/" + "an-even-longer-file-name-" * 3 + ".jpg"  # 194 bytes
+
+
+def archive(fmt: int, compress: bool) -> bytes:
+    """Files of sizes around block boundaries, an empty one, a long path, a non-ASCII name,
+    a directory and a link."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz" if compress else "w", format=fmt) as tar:
+        def add(name, data=None, kind=tarfile.REGTYPE):
+            info = tarfile.TarInfo(name)
+            info.type = kind
+            if kind == tarfile.SYMTYPE:
+                info.linkname = "train/a.jpg"
+            info.size = len(data or b"")
+            tar.addfile(info, io.BytesIO(data) if data else None)
+        add("train", kind=tarfile.DIRTYPE)
+        for i, size in enumerate((1, 511, 512, 513, 5000)):
+            add(f"train/{i}.jpg", bytes(np.random.default_rng(i).integers(0, 256, size, np.uint8)))
+        add("train/empty.jpg", b"")
+        add(LONG, b"long")
+        add("train/grenouille-\u00e9t\u00e9.jpg", b"frog")
+        add("train/link.jpg", kind=tarfile.SYMTYPE)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("compress", [False, True], ids=["tar", "tgz"])
+@pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT], ids=["ustar", "gnu", "pax"])
+def test_tar_files_reads_what_tarfile_reads(fmt, compress):
+    data = archive(fmt, compress)
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        expected = {m.name: tar.extractfile(m).read() for m in tar if m.isfile()}
+    assert LONG in expected and len(expected) == 8
+    assert tar_files(data) == expected
+
+
+def test_a_damaged_or_truncated_archive_is_refused_with_its_path(tmp_path):
+    data = bytearray(archive(tarfile.GNU_FORMAT, compress=False))
+    data[3 * 512 + 130] ^= 0x01  # a bit of the second file's size: its header's checksum no longer holds
+    damaged, truncated = tmp_path / "damaged.tar", tmp_path / "truncated.tgz"
+    damaged.write_bytes(bytes(data))
+    truncated.write_bytes(archive(tarfile.GNU_FORMAT, compress=True)[:-100])
+    for path, why in ((damaged, "damaged tar header at byte 1536"), (truncated, "")):
+        cfg = TrainConfig(data=DataConfig(name="cifar10", root=str(path)), trainer=TrainerConfig(batch_size=4))
+        with pytest.raises(DataError, match=f"cannot read the archive {path} .*{why}"):
+            build_sources(cfg, CPU, 0, 1, None)
+
+
+def jpeg_tree(root: Path) -> dict[str, np.ndarray]:
+    """CIFAR-10's layout with three classes: 32x32 JPEGs of noise, which JPEG cannot keep exactly."""
+    images = {}
+    for split, count in (("train", 4), ("test", 2)):
+        for k, name in enumerate(("cat", "airplane", "frog")):
+            (root / split / name).mkdir(parents=True)
+            for i in range(count):
+                pixels = np.random.default_rng([k, i]).integers(0, 256, (32, 32, 3), np.uint8)
+                path = root / split / name / f"{i:04d}.jpg"
+                Image.fromarray(pixels).save(path, quality=90)
+                images[f"{split}/{name}/{i:04d}"] = np.asarray(Image.open(path).convert("RGB"))
+    return images
+
+
+def test_the_jpeg_tree_reads_the_same_from_its_archive_and_its_folder(tmp_path):
+    images = jpeg_tree(tmp_path / "tree")
+    with tarfile.open(tmp_path / "cifar.tgz", "w:gz") as tar:
+        tar.add(tmp_path / "tree", arcname="cifar10")
+    loaded = []
+    for root in (tmp_path / "tree", tmp_path / "cifar.tgz"):
+        cfg = TrainConfig(data=DataConfig(name="cifar10", root=str(root), num_classes=3, train_size=12, val_size=6),
+                          trainer=TrainerConfig(batch_size=4))
+        train, val = build_sources(cfg, CPU, 0, 1, None)
+        loaded.append([train.images, train.labels, val.images, val.labels])
+    for a, b in zip(*loaded):
+        assert torch.equal(a, b)
+    # the test split in folder order (airplane, cat, frog: sorted names are the labels), decoded as PIL does
+    _, _, val_images, val_labels = loaded[0]
+    assert val_labels.tolist() == [0, 0, 1, 1, 2, 2]
+    expected = np.stack([images[f"test/{name}/{i:04d}"] for name in ("airplane", "cat", "frog") for i in range(2)])
+    assert np.abs(val_images.numpy().astype(int) - expected).max() <= 2

@@ -1,0 +1,60 @@
+"""The regular files of a tar archive held in memory, by member path.
+
+The standard library's tarfile parses every field of every header; for CIFAR-10's 60,000
+small JPEGs that is most of the time it takes to read the archive (1.8 s of 2 s on an
+H200's host). This reads only what finds a file: its name (ustar's prefix, GNU long names,
+pax paths), size and type, and checks each header's checksum so that a damaged archive is
+refused rather than misread.
+"""
+import gzip
+
+BLOCK = 512
+GZIP_MAGIC = b"\x1f\x8b"
+FILE_TYPES = (b"0", b"\0", b"7")  # regular, old-style regular, contiguous
+
+
+def _number(field: bytes) -> int:
+    if field[0] & 0x80:  # GNU base-256, for sizes of 8 GiB and more
+        return int.from_bytes(field[1:], "big")
+    return int(field.strip(b"\0 ") or b"0", 8)
+
+
+def _pax_path(records: bytes) -> str | None:
+    """The path in a pax extended header ("<length> <key>=<value>\\n" records), if any."""
+    pos = 0
+    while pos < len(records):
+        length = int(records[pos:records.index(b" ", pos)])
+        key, _, value = records[records.index(b" ", pos) + 1:pos + length - 1].partition(b"=")
+        if key == b"path":
+            return value.decode("utf-8")
+        pos += length
+    return None
+
+
+def tar_files(archive: bytes) -> dict[str, bytes]:
+    """{path: contents} of the regular files in a tar archive, gzip-compressed or not."""
+    data = gzip.decompress(archive) if archive[:2] == GZIP_MAGIC else archive
+    files, pos, next_name = {}, 0, None
+    while pos + BLOCK <= len(data):
+        header = data[pos:pos + BLOCK]
+        if header[0] == 0 and not header.strip(b"\0"):
+            break  # the end-of-archive blocks
+        if sum(header) - sum(header[148:156]) + 8 * ord(" ") != _number(header[148:156]):
+            raise ValueError(f"damaged tar header at byte {pos}")
+        size, kind = _number(header[124:136]), header[156:157]
+        body = data[pos + BLOCK:pos + BLOCK + size]
+        if len(body) < size:
+            raise ValueError(f"the archive ends inside its member at byte {pos}")
+        pos += BLOCK + -(-size // BLOCK) * BLOCK
+        if kind == b"L":  # GNU: the next member's long name
+            next_name = body.rstrip(b"\0").decode("utf-8")
+        elif kind == b"x":  # pax: the next member's attributes, perhaps its path
+            next_name = _pax_path(body) or next_name
+        elif kind in FILE_TYPES:
+            name = header[:100].split(b"\0", 1)[0].decode("utf-8")
+            prefix = header[345:500].split(b"\0", 1)[0] if header[257:262] == b"ustar" else b""
+            files[next_name or (prefix.decode("utf-8") + "/" + name if prefix else name)] = body
+            next_name = None
+        else:  # directories, links, global pax headers: nothing to read
+            next_name = None
+    return files
