@@ -5,18 +5,21 @@ Set-up reads top to bottom as the data flow of DESIGN.md: model -> plans -> aren
 bind -> range ops -> programs -> executor. In steady state the host only enqueues:
 it reads device values through TensorFutures at log steps and at the end of an epoch.
 """
+import importlib
 import logging
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+import kernels
 from trainer import checkpoint
 from trainer.arena import HALF
 from trainer.config import TrainConfig
-from trainer.data import build_sources
+from trainer.data import build_sources, source_module
 from trainer.dist import Dist, device_for
 from trainer.errors import NonFiniteLossError
 from trainer.feeder import BUFFERS, DoubleBuffer
@@ -46,13 +49,20 @@ class Trainer:
                         "fp32 (the CIFAR recipe's net: 50 against 890 img/s); amp_dtype=bf16 is faster than fp32")
         torch.manual_seed(t.seed)
 
-        self.train_source, self.val_source = build_sources(
-            cfg, self.device, dist.rank, dist.world, HALF[cfg.amp_dtype] if cfg.amp else None)
-        marks = [("data", self.clock())]  # set-up's parts, reported apart: they end at these times
-        init = None
-        if t.first_conv_init == "whiten":
-            init = lambda model: whiten_first_conv(first_conv(model), self.train_source.peek(5000))
-        self.engine = e = assemble(cfg, self.device, dist.world, init, grad_sync_factory=dist.grad_sync_factory)
+        # The data loads in a thread beside the model, its plan and the compiler's import:
+        # decoding runs in DALI's threads, outside the GIL, and in a fresh process the two
+        # took 5-6 s each, one after the other. Imports stay on this thread.
+        source_module(cfg.data)
+        kernels.load("auto", self.device)
+        with ThreadPoolExecutor(1) as pool:
+            data = pool.submit(self._load_data, cfg)
+            if cfg.compile:  # inductor's import, otherwise paid at the first compilation
+                importlib.import_module("torch._inductor.compile_fx")
+            init = None
+            if t.first_conv_init == "whiten":
+                init = lambda model: whiten_first_conv(first_conv(model), data.result()[0].peek(5000))
+            self.engine = e = assemble(cfg, self.device, dist.world, init, grad_sync_factory=dist.grad_sync_factory)
+            self.train_source, self.val_source = data.result()
         dist.prepare(e)
         self.model, self.plans, self.arena, self.ops, self.executor = e.model, e.plans, e.arena, e.ops, e.executor
         self.per_epoch = e.per_epoch
@@ -66,17 +76,26 @@ class Trainer:
             done = checkpoint.load(Path(t.resume), self.arena, self.meta, dist.rank)
             self.start_epoch, self.history = done["epoch"], done.get("history", [])
             log.info("resumed from %s after epoch %d", t.resume, self.start_epoch)
-        marks.append(("model_and_plan", self.clock()))
+        model_and_plan = self.clock()
         # evaluation alone (mode=eval) needs no training graphs: their capture is seconds of set-up
         self.executor.capture(self.executor.keys(train=False) if evaluate_only else None)
         if cfg.ema:  # evaluation swaps the EMA weights in eagerly: compile those kernels now, not in the timed run
             self.ops.sema_switch()
             self.ops.sema_switch()
-        marks.append(("warm_up_compile_capture", self.clock()))
-        self.setup_s = marks[-1][1]
-        self.setup_parts = {name: round(end - start, 3)
-                            for (name, end), start in zip(marks, [0.0] + [end for _, end in marks])}
-        log.info("set-up %.1f s: %s", self.setup_s, ", ".join(f"{k} {v:.1f} s" for k, v in self.setup_parts.items()))
+        self.setup_s = self.clock()
+        # the parts: the data beside the model and plan, both from the start; capture after them
+        self.setup_parts = {"data": round(self.data_s, 3), "model_and_plan": round(model_and_plan, 3),
+                            "warm_up_compile_capture": round(self.setup_s - model_and_plan, 3)}
+        log.info("set-up %.1f s: data %.1f s beside model and plan %.1f s, then warm-up, compilation and capture "
+                 "%.1f s", self.setup_s, *self.setup_parts.values())
+
+    def _load_data(self, cfg: TrainConfig):
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the current device is per thread
+        sources = build_sources(cfg, self.device, self.dist.rank, self.dist.world,
+                                HALF[cfg.amp_dtype] if cfg.amp else None)
+        self.data_s = self.clock()
+        return sources
 
     # -- the schedule of steps -----------------------------------------------------------
     def train_steps(self, epoch: int) -> list:

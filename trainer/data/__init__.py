@@ -45,5 +45,9 @@ def build_sources(cfg: TrainConfig, device: torch.device, rank: int, world: int,
     train_size, val_size = dataset_sizes(d)
     train = Shard(train_size, t.batch_size, rank, world, train=True, drop_last=t.drop_last)
     val = Shard(val_size, t.val_batch_size or t.batch_size, rank, world, train=False)
-    module = importlib.import_module(_MODULES[d.name])
-    return module.sources(d, train, val, t.seed + d.seed_offset, device, half)
+    return source_module(d).sources(d, train, val, t.seed + d.seed_offset, device, half)
+
+
+def source_module(d: DataConfig):
+    """The module of data set d.name, imported with what it imports (DALI where it decodes)."""
+    return importlib.import_module(_MODULES[d.name])
