@@ -42,8 +42,13 @@ for s in "$@"; do case $s in
   resnet18) section resnet18 560 python3 run.py -m +experiment=cifar10_resnet18 data.root=$CIFAR trainer.checkpoint_every=0 trainer.seed=0,1,2,3,4 hydra.sweep.dir=$OUT/resnet18
           python3 bench/seeds.py $OUT/resnet18;;
   r18p) section r18p 200 python3 run.py mode=bench model=resnet18_cifar data.resolution=32 amp=true trainer.batch_size=512 "bench.baselines=[eager_bf16]" compile=true bench.profile=20 hydra.run.dir=$OUT/r18p;;
-  coldsetup) section coldsetup 200 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" TORCH_LOGS=recompiles,dynamo python3 run.py +experiment=$EXP compile=true data.root=$CIFAR hydra.run.dir=$OUT/coldsetup
-          grep -E "Step 2|Recompiling" $OUT/coldsetup.log;;
+  coldsetup) export TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)"  # cold, then fresh processes on the cache it filled
+          section coldsetup 200 env TORCH_LOGS=recompiles,dynamo python3 run.py +experiment=$EXP compile=true data.root=$CIFAR hydra.run.dir=$OUT/coldsetup
+          grep -E "Step 2|Recompiling" $OUT/coldsetup.log
+          for i in 1 2 3; do section warmsetup$i 120 python3 run.py +experiment=$EXP compile=true data.root=$CIFAR hydra.run.dir=$OUT/warmsetup$i; done
+          grep -h "set-up" $OUT/coldsetup.log $OUT/warmsetup?.log
+          section setupprobe 200 python3 bench/setup_probe.py data.root=$CIFAR compile=true
+          unset TORCHINDUCTOR_CACHE_DIR;;
   loader) python3 -m trainer.data.make_jpeg_tree /tmp/tree --classes 100 --per-class 130 --val-per-class 10 > /dev/null
           section loader 200 python3 bench/loader_bench.py data.root=/tmp/tree;;
   loader8) section loader8 200 python3 bench/loader_bench.py data.root=/tmp/tree data.threads=8;;

@@ -87,6 +87,6 @@ def test_the_profile_sees_the_kernels_inside_the_step_graph():
     from trainer import bench
     cfg = config("mode=bench", "amp=true", "data.resolution=32", "trainer.batch_size=512", "bench.steps=10",
                  "bench.warmup=3", "bench.baselines=[]", "bench.profile=5")
-    profiled = bench.run(cfg, torch.device("cuda"), cfg.bench.optimizers).split("steps profiled:")[1]
+    profiled = bench.run(cfg, torch.device("cuda", 0), cfg.bench.optimizers).split("steps profiled:")[1]
     assert 0.3 < profile_share(profiled) < 1.2, profiled
     assert len(table_rows(profiled)) > 10, profiled  # the fast net's convolutions, its fused kernels, the range ops
