@@ -143,6 +143,16 @@ def test_every_config_group_option_composes(group):
         assert cfg.mode in ("train", "plan", "eval", "export", "bench")
 
 
+def test_a_data_error_from_the_loading_thread_is_one_message(tmp_path):
+    """The data loads in a thread beside the plan: its error still ends the run with one line."""
+    damaged = tmp_path / "cifar.tgz"
+    damaged.write_bytes(b"not an archive " * 100)
+    out = run(tmp_path / "run", "+experiment=cifar10_speed", f"data.root={damaged}")  # whitening waits for the data
+    output = out.stdout + out.stderr
+    assert out.returncode != 0 and "Traceback" not in output
+    assert sum(f"cannot read the archive {damaged}" in line for line in output.splitlines()) == 1, output
+
+
 @pytest.mark.parametrize("amp", ["amp=false", "amp=true"])
 def test_nan_loss_stops_and_keeps_the_last_checkpoint(tmp_path, amp):
     """Under AMP too: a loss scale mends overflowing gradients, never a non-finite forward."""
