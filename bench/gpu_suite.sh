@@ -54,5 +54,7 @@ for s in "$@"; do case $s in
   loader8) section loader8 200 python3 bench/loader_bench.py data.root=/tmp/tree data.threads=8;;
   loadersplit) for f in 0.0 0.45 0.6 0.9 1.0; do section loader_host$f 150 python3 bench/loader_bench.py data.root=/tmp/tree data.host_decode=$f; done;;
   decoderprobe) section decoderprobe 150 python3 bench/decoder_probe.py /tmp/tree;;
+  greenprobe) python3 -m trainer.data.make_jpeg_tree /tmp/small --classes 16 --per-class 256 --val-per-class 1 > /dev/null
+          for q in 8 32 1; do section greenprobe$q 120 env CUDA_DEVICE_MAX_CONNECTIONS=$q python3 bench/green_probe.py /tmp/small; done;;
   *) echo "unknown section $s";;
 esac; done

@@ -1,8 +1,10 @@
 """JPEG class folders through DALI: labels, normalization, variants, and the error messages."""
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -164,3 +166,16 @@ def test_make_jpeg_tree(tmp_path):
     assert first.mode == "RGB" and 36 <= first.width <= 44 and 27 <= first.height <= 33
     train, val = build_sources(config(tmp_path / "t", batch=6), CPU, 0, 1, None)
     serve(train, (6,), 24)
+
+
+@pytest.mark.parametrize("user_value", [None, "4"])
+def test_the_trainer_asks_cuda_for_32_work_queues_unless_the_user_chose(user_value):
+    """DALI's GPU decoder keeps its speed beside the step only with enough hardware queues;
+    CUDA reads the setting when it starts, so importing the trainer sets it."""
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
+    if user_value:
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = user_value
+    code = "import os, trainer.data; print(os.environ['CUDA_DEVICE_MAX_CONNECTIONS'])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == (user_value or "32"), out.stderr

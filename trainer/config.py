@@ -74,7 +74,7 @@ class DataConfig:
     val_resize: float = 1.14  # imagefolder evaluation: resize the short side to resolution*this, center crop
     min_crop_area: float = 0.25  # imagefolder training: random-resized crop area range [this, 1]
     threads: int = 0  # DALI decoding and file-reading threads per rank; 0: the cores shared among local ranks
-    host_decode: float = 0.75  # imagefolder on a GPU: the share of each batch decoded by the CPU, the rest by the GPU
+    host_decode: float = 0.0  # imagefolder on a GPU: the share of each batch decoded by the CPU, the rest by the GPU
     check_files: bool = True  # imagefolder: look at both ends of every JPEG before training (seconds per million files)
     seed_offset: int = 0
     tta: int = 0  # evaluation views: 0 none, 1 flip, 2 flip and one-pixel translations

@@ -7,11 +7,14 @@ read them, so neither the file reads nor their bytes pass through Python.
 
 Decoding: the first data.host_decode of each batch is decoded on the host's cores
 (libjpeg-turbo), the rest by the GPU's JPEG engines (device="mixed"), each part by a
-pipeline of its own; both parts resize and normalize on the GPU. The default, 0.75, was
-the best share measured beside a ResNet-50 step on 16 cores per GPU: on an idle GPU,
-DALI's GPU decoder outruns the step several times over, but beside the step's kernels it
-falls to a fraction of that and slows the step as well, while the cores alone decode
-too few (docs/BENCHMARKS.md, "Input pipeline"). Fewer cores per GPU want a smaller share.
+pipeline of its own; both parts resize and normalize on the GPU. The default, 0, decodes
+everything on the JPEG engines: beside a ResNet-50 step on an H200, training fed so ran at
+0.94 of its speed on data already in the arena, against 0.92 with 0.75 on the host's 16
+cores (a tree of 4,096 images; 0.96 for 0 on one of 13,000).
+The GPU decoder keeps its speed beside the step only with enough CUDA hardware queues
+(trainer/__init__.py); with CUDA's default 8 it fell to a tenth, and 0.75 on the host was
+the best share then (docs/BENCHMARKS.md, "Input pipeline"). A GPU without JPEG engines, or
+a host with cores to spare, may want a larger share.
 """
 from pathlib import Path
 
