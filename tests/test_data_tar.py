@@ -1,6 +1,5 @@
 """Archives read in memory: the tar reader against the standard library's, and CIFAR-10's
 JPEG tree read from its archive as from its folder."""
-import gzip
 import io
 import tarfile
 from pathlib import Path
