@@ -51,7 +51,9 @@ class Trainer:
 
         # The data loads in a thread beside the model, its plan and the compiler's import:
         # decoding runs in DALI's threads, outside the GIL, and in a fresh process the two
-        # took 5-6 s each, one after the other. Imports stay on this thread.
+        # took 5-6 s each, one after the other. Imports stay on this thread (the data set's
+        # module, DALI, the input kernel's module): two threads importing one module at once
+        # may see it half initialized.
         source_module(cfg.data)
         kernels.load("auto", self.device)
         with ThreadPoolExecutor(1) as pool:
