@@ -109,6 +109,22 @@ def test_epochs_shorter_than_the_prefetch_depth():
         assert np.bincount(labels).tolist() == [4] * 10
 
 
+
+def test_the_next_epochs_first_batches_are_fed_ahead_and_served_as_a_fresh_start_would():
+    """At an epoch's end its successor's first batches are already with DALI, so the run
+    does not wait at each epoch's start; they are the batches the next epoch would make anyway."""
+    cfg, sizes = config(train_size=160, batch=32), (32,) * 5
+    train, _ = build_sources(cfg, CPU, 0, 1, None)
+    serve(train, sizes, 16, epoch=0)
+    assert (train._next.epoch, train._next.scheduled) == (1, IN_FLIGHT)
+    ahead = serve(train, sizes, 16, epoch=1)
+    fresh = serve(build_sources(cfg, CPU, 0, 1, None)[0], sizes, 16, epoch=1)
+    for (data, label, _), (data_fresh, label_fresh, _) in zip(ahead, fresh):
+        assert torch.equal(label, label_fresh) and torch.equal(data, data_fresh)
+    # fed ahead at 16 pixels, the next epoch asks for 8: those batches are dropped, none served
+    labels = [lab for _, label, _ in serve(train, sizes, 8, epoch=2) for lab in label.tolist()]
+    assert np.bincount(labels).tolist() == [16] * 10
+
 @pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])
 def test_half_data_has_a_zero_fourth_channel(half):
     _, val = build_sources(config(), CPU, 0, 1, half)

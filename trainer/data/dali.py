@@ -67,9 +67,11 @@ class DaliSource:
 
     Subclasses give the data: `labels` (int32 per example), `graph(resolution, augment,
     part)` (the operators from their external sources to HWC uint8 images of at least
-    resolution x resolution, on the GPU where there is one) and `inputs(examples, augment)`
-    (what to feed those external sources for these examples, by name). Here: the order,
-    the flips, normalization to the arena's dtype and layout, and the copy into the arena.
+    resolution x resolution, on the GPU where there is one) and `inputs(examples)` (what to
+    feed those external sources for these examples, by name), and may add per-epoch
+    augmentation draws (`draws`). Here: the order, the flips, normalization to the arena's
+    dtype and layout, the copy into the arena, and in training the next epoch's first
+    batches fed while this epoch's last are served.
     """
 
     labels: np.ndarray
@@ -83,17 +85,21 @@ class DaliSource:
         self.gpu = device.type == "cuda"
         self._pipes: dict[int, list[Pipeline]] = {}
         self._pipe: list[Pipeline] = []  # this epoch's pipelines, one per part
-        self._plan: EpochPlan | None = None
-        self._flips = np.zeros(0, bool)
-        self._in_flight: deque[np.ndarray] = deque()  # examples of the fed iterations
-        self._scheduled = 0
+        self._epoch: QueuedEpoch | None = None  # the epoch fill() serves
+        self._next: QueuedEpoch | None = None  # the one after it, once its first batches are fed
+        self._in_flight: deque[np.ndarray] = deque()  # examples of the fed iterations, in order
         self._running: set[Pipeline] = set()  # pipelines past their first (prefetching) run
 
     def graph(self, resolution: int, augment: bool, part: int):
         raise NotImplementedError
 
-    def inputs(self, examples: np.ndarray, augment: bool) -> dict:
+    def inputs(self, examples: np.ndarray) -> dict:
         raise NotImplementedError
+
+    def draws(self, epoch: int) -> dict[str, np.ndarray]:
+        """One epoch's augmentation draws per example of the data set, fed by name beside
+        inputs(): the flips here; subclasses add theirs."""
+        return {"flip": flips(self.d.flip, self.shard.total, self.seed, epoch).astype(np.int32)}
 
     def decode_error(self, examples: np.ndarray, error: RuntimeError) -> Exception:
         return error
@@ -124,45 +130,53 @@ class DaliSource:
         pipe.build()
         return pipe
 
-    def _feed(self, pipe: Pipeline, examples: np.ndarray, real: np.ndarray, augment: bool) -> None:
-        feeds = self.inputs(examples, augment)
+    def _feed(self, pipe: Pipeline, examples: np.ndarray, real: np.ndarray, draws: dict[str, np.ndarray]) -> None:
+        feeds = self.inputs(examples)
         feeds["labels"] = self.labels[examples]
         feeds["mask"] = real.astype(np.int8)
-        if augment:
-            feeds["flip"] = self._flips[examples].astype(np.int32)
+        feeds.update((name, per_example[examples]) for name, per_example in draws.items())
         for name, value in feeds.items():
             pipe.feed_input(name, value)
 
-    def start_epoch(self, epoch: int, resolution: int) -> None:
-        # An epoch left unfinished (a fractional last epoch) leaves iterations in flight:
-        # collect them, or the next epoch would begin with the old epoch's batches.
-        while self._in_flight:
-            self._in_flight.popleft()
-            for pipe in self._pipe:
-                pipe.outputs()
-        self._plan = self.shard.epoch(self.seed, epoch)
+    def _queue(self, epoch: int, resolution: int) -> "QueuedEpoch":
         if resolution not in self._pipes:
             # fp16 goes straight into the arena (4 channels, the 4th zero); DALI has no
             # bfloat16, so bf16 takes an fp16 detour through a staging tensor in fill().
             dtype = types.FLOAT16 if self.half is not None else types.FLOAT
             # every epoch at one resolution has as many batches as this one: the first run's
             # prefetch never waits for more than an epoch holds
-            depth = max(1, min(IN_FLIGHT, len(self._plan)))
+            depth = max(1, min(IN_FLIGHT, len(self.shard.batches)))
             self._pipes[resolution] = [self._build(resolution, self.augment, dtype, self.half is not None, part, depth)
                                        for part in range(self.parts)]
-        self._pipe = self._pipes[resolution]
-        self._flips = flips(self.d.flip, self.shard.total, self.seed, epoch)
-        self._scheduled = 0
-        while self._scheduled < min(IN_FLIGHT, len(self._plan)):
-            self._schedule()
+        return QueuedEpoch(epoch, resolution, self.shard.epoch(self.seed, epoch),
+                           self.draws(epoch) if self.augment else {})
 
-    def _schedule(self) -> None:
-        span = self._plan.span(self._scheduled)
-        examples, real = self._plan.examples[span], self._plan.real[span]
+    def start_epoch(self, epoch: int, resolution: int) -> None:
+        ahead = self._next
+        if ahead is not None and (ahead.epoch, ahead.resolution) == (epoch, resolution) \
+                and len(self._in_flight) == ahead.scheduled:
+            self._epoch = ahead  # its first batches were fed while the last epoch's were served
+        else:
+            # An epoch left unfinished (a fractional last epoch), or batches fed ahead for
+            # an epoch that is not this one, leave iterations in flight: collect them, or
+            # this epoch would begin with their batches.
+            while self._in_flight:
+                self._in_flight.popleft()
+                for pipe in self._pipe:
+                    pipe.outputs()
+            self._epoch = self._queue(epoch, resolution)
+        self._next = None
+        self._pipe = self._pipes[resolution]
+        while len(self._in_flight) < IN_FLIGHT and self._epoch.scheduled < len(self._epoch.plan):
+            self._schedule(self._epoch)
+
+    def _schedule(self, queued: "QueuedEpoch") -> None:
+        span = queued.plan.span(queued.scheduled)
+        examples, real = queued.plan.examples[span], queued.plan.real[span]
         self._in_flight.append(examples)
-        self._scheduled += 1
-        for pipe, rows in zip(self._pipe, self.part_slices(len(examples))):
-            self._feed(pipe, examples[rows], real[rows], self.augment)
+        queued.scheduled += 1
+        for pipe, rows in zip(self._pipes[queued.resolution], self.part_slices(len(examples))):
+            self._feed(pipe, examples[rows], real[rows], queued.draws)
             if pipe in self._running:
                 pipe.schedule_run()
             elif len(self._in_flight) == pipe.prefetch_queue_depth:
@@ -172,7 +186,7 @@ class DaliSource:
     def fill(self, data: torch.Tensor, label: torch.Tensor, mask: torch.Tensor | None, stream) -> None:
         if not data.is_contiguous():
             raise ValueError(f"fill() writes raw NHWC bytes: data must be contiguous, not strides {data.stride()}")
-        self._plan.take(len(data))
+        self._epoch.plan.take(len(data))
         examples = self._in_flight.popleft()
         stream = stream if self.gpu else None
         for pipe, rows in zip(self._pipe, self.part_slices(len(data))):
@@ -192,8 +206,16 @@ class DaliSource:
                 if mask is not None:
                     feed_ndarray(masks.as_tensor(), mask[rows], cuda_stream=stream)
         # its slot in DALI's queues is free again: start the iteration after the last in flight
-        if self._scheduled < len(self._plan):
-            self._schedule()
+        if self._epoch.scheduled < len(self._epoch.plan):
+            self._schedule(self._epoch)
+        elif self.augment:
+            # Training: the next epoch's first batches, at this resolution, so that it does
+            # not begin with the device waiting for DALI's first iteration. Should the next
+            # epoch differ (progressive resizing, or none), start_epoch() collects them.
+            if self._next is None:
+                self._next = self._queue(self._epoch.epoch + 1, self._epoch.resolution)
+            if self._next.scheduled < len(self._next.plan):
+                self._schedule(self._next)
 
     def peek(self, n: int) -> torch.Tensor:
         pipe = self._build(self.d.resolution, False, types.FLOAT, pad=False, part=self.parts - 1)
@@ -202,7 +224,7 @@ class DaliSource:
         step = pipe.max_batch_size
         for start in range(0, len(examples), step):
             chunk = examples[start:start + step]
-            self._feed(pipe, chunk, np.ones(len(chunk), bool), augment=False)
+            self._feed(pipe, chunk, np.ones(len(chunk), bool), draws={})
             pipe.schedule_run()
             try:
                 images = pipe.outputs()[0]
@@ -210,3 +232,11 @@ class DaliSource:
                 raise self.decode_error(chunk, e) from e
             feed_ndarray(images.as_tensor(), out[start:start + len(chunk)])
         return out.permute(0, 3, 1, 2).contiguous()
+
+
+class QueuedEpoch:
+    """An epoch as a DaliSource feeds it: its order, its draws, how many batches are fed."""
+
+    def __init__(self, epoch: int, resolution: int, plan: EpochPlan, draws: dict[str, np.ndarray]):
+        self.epoch, self.resolution, self.plan, self.draws = epoch, resolution, plan, draws
+        self.scheduled = 0

@@ -9,8 +9,8 @@ Decoding: the first data.host_decode of each batch is decoded on the host's core
 (libjpeg-turbo), the rest by the GPU's JPEG engines (device="mixed"), each part by a
 pipeline of its own; both parts resize and normalize on the GPU. The default, 0, decodes
 everything on the JPEG engines: beside a ResNet-50 step on an H200, training fed so ran at
-0.94 of its speed on data already in the arena, against 0.92 with 0.75 on the host's 16
-cores (a tree of 4,096 images; 0.96 for 0 on one of 13,000).
+0.973 of its speed on data already in the arena (median of five runs, a tree of 13,000
+images), against 0.89 with half of each batch on the host's 16 cores.
 The GPU decoder keeps its speed beside the step only with enough CUDA hardware queues
 (trainer/__init__.py); with CUDA's default 8 it fell to a tenth, and 0.75 on the host was
 the best share then (docs/BENCHMARKS.md, "Input pipeline"). A GPU without JPEG engines, or
@@ -90,7 +90,7 @@ class JpegFolderSource(DaliSource):
             return fn.resize(images, size=[resolution, resolution])
         return fn.resize(images, resize_shorter=resolution * self.d.val_resize)
 
-    def inputs(self, examples: np.ndarray, augment: bool) -> dict:
+    def inputs(self, examples: np.ndarray) -> dict:
         return {"paths": [self.paths[i] for i in examples]}
 
     def decode_error(self, examples: np.ndarray, error: RuntimeError) -> Exception:

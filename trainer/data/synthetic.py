@@ -35,12 +35,6 @@ class SyntheticSource(DaliSource):
                  seed: int, device: torch.device, half: torch.dtype | None, augment: bool):
         super().__init__(shard, NUM_CLASSES, mean, std, d, seed, device, half, augment)
         self.images, self.labels = images, labels
-        self._offsets = np.zeros((0, 2), int)
-
-    def start_epoch(self, epoch: int, resolution: int) -> None:
-        if self.augment:
-            self._offsets = crop_offsets(self.shard.total, self.d.crop_padding, self.seed, epoch)
-        super().start_epoch(epoch, resolution)
 
     def graph(self, resolution: int, augment: bool, part: int):
         size = self.images.shape[1]
@@ -55,12 +49,13 @@ class SyntheticSource(DaliSource):
             images = fn.resize(images, size=[resolution, resolution])
         return images
 
-    def inputs(self, examples: np.ndarray, augment: bool) -> dict:
-        feeds = {"images": self.images[examples]}
-        if augment:  # the crop's corner in the unpadded image: -padding .. +padding
-            feeds["corner"] = (self._offsets[examples] - self.d.crop_padding).astype(np.int32)
-        return feeds
+    def inputs(self, examples: np.ndarray) -> dict:
+        return {"images": self.images[examples]}
 
+    def draws(self, epoch: int) -> dict[str, np.ndarray]:
+        # the crop's corner in the unpadded image: -padding .. +padding
+        corners = crop_offsets(self.shard.total, self.d.crop_padding, self.seed, epoch) - self.d.crop_padding
+        return {**super().draws(epoch), "corner": corners.astype(np.int32)}
 
 def sources(d: DataConfig, train: Shard, val: Shard, seed: int, device: torch.device,
             half: torch.dtype | None) -> tuple[SyntheticSource, SyntheticSource]:
