@@ -37,7 +37,7 @@ def main(overrides: list[str]):
     root, lap = Path(cfg.data.root), Laps()
     torch.empty(1, device="cuda")
     lap("CUDA context")
-    members = cifar.read_archive(root)
+    members = cifar.read_archive(root, root.read_bytes())
     lap("read_archive")
     lists = {s: cifar.jpeg_list(root, s, members) for s in ("train", "val")}
     lap("jpeg_list, both splits")

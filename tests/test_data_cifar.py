@@ -1,5 +1,7 @@
 """CIFAR-10 resident on the device: loading, augmentation written into the arena, sharding."""
+import io
 import pickle
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -9,7 +11,7 @@ import torch.nn.functional as F
 
 from tests.helpers import serve
 from trainer.config import DataConfig, TrainConfig, TrainerConfig
-from trainer.data import build_sources
+from trainer.data import build_sources, cifar
 from trainer.data.cifar import CIFAR_MEAN, CIFAR_STD
 from trainer.errors import DataError
 
@@ -228,3 +230,64 @@ def test_the_cifar10_jpeg_archive():
     # labels follow the sorted folder names: airplanes are mostly blue sky, frogs green-brown
     blue_minus_red = (data[..., 2] - data[..., 0]).mean((1, 2))
     assert blue_minus_red[label == 0].mean() > blue_minus_red[label == 6].mean() + 0.2
+
+
+@pytest.fixture
+def archive(batches, tmp_path) -> Path:
+    path = tmp_path / "cifar-10-python.tgz"
+    with tarfile.open(path, "w:gz") as tar:
+        tar.add(batches / "cifar-10-batches-py", arcname="cifar-10-batches-py")
+    return path
+
+
+def images_and_labels(cfg) -> list[torch.Tensor]:
+    train, val = build_sources(cfg, CPU, 0, 1, None)
+    return [train.images, train.labels, val.images, val.labels]
+
+
+def test_an_archive_decodes_once_and_later_runs_load_what_it_decoded_to(archive, tmp_path, monkeypatch):
+    cfg = config(archive, decode_cache=str(tmp_path / "cache"))
+    first = images_and_labels(cfg)
+    assert len(list((tmp_path / "cache").iterdir())) == 1
+    monkeypatch.setattr(cifar, "decode", lambda *a: pytest.fail("decoded again despite the cache"))
+    for a, b in zip(first, images_and_labels(cfg)):
+        assert torch.equal(a, b)
+    cfg.data.val_size = N_VAL - 2  # another subset is another entry, not the same one cut short
+    with pytest.raises(pytest.fail.Exception, match="decoded again"):
+        images_and_labels(cfg)
+
+
+def test_a_changed_archive_misses_the_cache(archive, tmp_path, batches):
+    cfg = config(archive, decode_cache=str(tmp_path / "cache"))
+    before = images_and_labels(cfg)
+    with tarfile.open(archive, "w:gz") as tar:  # the same names, other pixels in the training batches
+        for name in sorted((batches / "cifar-10-batches-py").iterdir()):
+            batch = pickle.loads(name.read_bytes(), encoding="bytes")
+            if name.name.startswith("data"):
+                batch[b"data"] = 255 - batch[b"data"]
+            data = pickle.dumps(batch)
+            info = tarfile.TarInfo(f"cifar-10-batches-py/{name.name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    after = images_and_labels(cfg)
+    assert torch.equal(after[0], 255 - before[0]) and torch.equal(after[2], before[2])
+    assert len(list((tmp_path / "cache").iterdir())) == 2
+
+
+def test_an_unreadable_cache_entry_is_decoded_again_and_rewritten(archive, tmp_path, caplog):
+    cfg = config(archive, decode_cache=str(tmp_path / "cache"))
+    first = images_and_labels(cfg)
+    (entry,) = (tmp_path / "cache").iterdir()
+    entry.write_bytes(entry.read_bytes()[:1000])  # cut short, as by a full disk
+    for a, b in zip(first, images_and_labels(cfg)):
+        assert torch.equal(a, b)
+    assert "cannot be read" in caplog.text
+    assert cifar.decoded_cache.load(entry, {"train_labels": (N_TRAIN,)}) is not None  # whole again
+
+
+def test_a_cache_that_cannot_be_written_only_warns(archive, tmp_path, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    first = images_and_labels(config(archive, decode_cache=str(blocker / "cache")))
+    assert "cannot keep the decoded images" in caplog.text
+    assert torch.equal(first[0], images_and_labels(config(archive))[0])

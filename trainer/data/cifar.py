@@ -1,9 +1,11 @@
 """CIFAR-10, decoded once and kept on the device.
 
 data.root may be the JPEG tree (train/<class>/*.jpg, test/<class>/*.jpg), a .tgz/.tar
-archive of it (read in memory: no extraction, no cache to go stale), or the usual python
-batches (cifar-10-batches-py/, as a folder or inside its archive). A data.train_size /
-data.val_size below the full split takes the same random subset in every run.
+archive of it (read in memory: no extraction), or the usual python batches
+(cifar-10-batches-py/, as a folder or inside its archive). A data.train_size /
+data.val_size below the full split takes the same random subset in every run. What an
+archive decodes to is kept in data.decode_cache, named by the archive's content
+(decoded_cache.py).
 """
 import pickle
 import zlib
@@ -13,6 +15,7 @@ import numpy as np
 import torch
 
 from trainer.config import DataConfig
+from trainer.data import decoded_cache
 from trainer.data.dali import decode_all
 from trainer.data.jpeg_files import IMAGE_SUFFIXES, check_bytes, find_split, list_split
 from trainer.data.resident import ResidentSource
@@ -26,10 +29,10 @@ SPLIT_DIRS = {"train": ("train",), "val": ("test", "val")}
 BATCH_FILES = {"train": [f"data_batch_{i}" for i in range(1, 6)], "val": ["test_batch"]}
 
 
-def read_archive(path: Path) -> dict[str, bytes]:
-    """The JPEGs and python batches in an archive, by member path."""
+def read_archive(path: Path, raw: bytes) -> dict[str, bytes]:
+    """The JPEGs and python batches in an archive (its bytes `raw`), by member path."""
     try:
-        files = tar_files(path.read_bytes())
+        files = tar_files(raw)
     except (ValueError, OSError, EOFError, zlib.error) as e:
         raise DataError(f"cannot read the archive {path} ({e}): data.root must be a .tgz/.tar of the "
                         f"CIFAR-10 JPEG tree or of cifar-10-batches-py, or a folder of either") from None
@@ -84,8 +87,8 @@ def jpeg_list(root: Path, split: str, members: dict[str, bytes] | None):
     return names, labels, classes
 
 
-def from_jpegs(root: Path, split: str, n: int, members: dict[str, bytes] | None, d: DataConfig,
-               device: torch.device) -> tuple[torch.Tensor, np.ndarray]:
+def from_jpegs(root: Path, split: str, n: int, members: dict[str, bytes] | None,
+               d: DataConfig) -> tuple[np.ndarray, np.ndarray]:
     names, labels, classes = jpeg_list(root, split, members)
     if len(classes) != d.num_classes:
         raise DataError(f"{root} has {len(classes)} {split} classes ({', '.join(classes[:12])}) but "
@@ -96,7 +99,20 @@ def from_jpegs(root: Path, split: str, n: int, members: dict[str, bytes] | None,
     shown = [f"{root}:{f}" for f in names] if members else names
     for name, data in zip(shown, encoded):
         check_bytes(name, data)
-    return decode_all(shown, encoded, d.threads).to(device), labels[keep]
+    return decode_all(shown, encoded, d.threads).numpy(), labels[keep]
+
+
+def decode(root: Path, raw: bytes | None, d: DataConfig, sizes: dict[str, int]) -> dict[str, np.ndarray]:
+    """Each split's images (N, 32, 32, 3) uint8 and labels in host memory."""
+    members = read_archive(root, raw) if raw is not None else None
+    batches = python_batches(root, members)
+    out = {}
+    for split, n in sizes.items():
+        if batches is not None:
+            out[f"{split}_images"], out[f"{split}_labels"] = from_batches(batches, split, n, root)
+        else:
+            out[f"{split}_images"], out[f"{split}_labels"] = from_jpegs(root, split, n, members, d)
+    return out
 
 
 def sources(d: DataConfig, train: Shard, val: Shard, seed: int, device: torch.device,
@@ -105,15 +121,20 @@ def sources(d: DataConfig, train: Shard, val: Shard, seed: int, device: torch.de
     if not root.exists():
         raise DataError(f"missing data.root {root}: point it at the CIFAR-10 JPEG tree, its .tgz, "
                         f"or cifar-10-batches-py")
-    members = read_archive(root) if root.is_file() else None
-    batches = python_batches(root, members)
-    out = []
-    for split, shard in (("train", train), ("val", val)):
-        if batches is not None:
-            images, labels = from_batches(batches, split, shard.total, root)
-            images = torch.from_numpy(images).to(device)
-        else:
-            images, labels = from_jpegs(root, split, shard.total, members, d, device)
-        out.append(ResidentSource(images, torch.from_numpy(labels).to(device), shard, d.num_classes,
-                                  CIFAR_MEAN, CIFAR_STD, d, seed, augment=split == "train", half=half))
-    return out[0], out[1]
+    try:
+        raw = root.read_bytes() if root.is_file() else None
+    except OSError as e:
+        raise DataError(f"cannot read the archive {root} ({e.strerror}): check its permissions") from None
+    sizes = {"train": train.total, "val": val.total}
+    cache = decoded_cache.entry(d.decode_cache, raw, sizes, d.num_classes) if raw and d.decode_cache else None
+    shapes = {f"{s}_{kind}": (n, 32, 32, 3) if kind == "images" else (n,)
+              for s, n in sizes.items() for kind in ("images", "labels")}
+    splits = decoded_cache.load(cache, shapes) if cache else None
+    if splits is None:
+        splits = decode(root, raw, d, sizes)
+        if cache:
+            decoded_cache.save(cache, splits)
+    return tuple(ResidentSource(torch.from_numpy(splits[f"{s}_images"]).to(device),
+                                torch.from_numpy(splits[f"{s}_labels"]).to(device), shard, d.num_classes,
+                                CIFAR_MEAN, CIFAR_STD, d, seed, augment=s == "train", half=half)
+                 for s, shard in (("train", train), ("val", val)))
