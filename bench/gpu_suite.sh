@@ -41,6 +41,7 @@ for s in "$@"; do case $s in
   cifarprobe) section cifarprobe$TAG 200 python3 bench/cifar_probe.py data.root=$CIFAR compile=true $ARGS;;
   resnet18) section resnet18 560 python3 run.py -m +experiment=cifar10_resnet18 data.root=$CIFAR trainer.checkpoint_every=0 trainer.seed=0,1,2,3,4 hydra.sweep.dir=$OUT/resnet18
           python3 bench/seeds.py $OUT/resnet18;;
+  memprobe) section memprobe 120 python3 bench/memory_probe.py model=resnet18_cifar data.resolution=32 amp=true trainer.batch_size=512;;
   r18p) section r18p 200 python3 run.py mode=bench model=resnet18_cifar data.resolution=32 amp=true trainer.batch_size=512 "bench.baselines=[eager_bf16]" compile=true bench.profile=20 hydra.run.dir=$OUT/r18p;;
   coldsetup) export TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)"  # cold, then fresh processes on the cache it filled
           section coldsetup 200 env TORCH_LOGS=recompiles,dynamo python3 run.py +experiment=$EXP compile=true data.root=$CIFAR hydra.run.dir=$OUT/coldsetup

@@ -1,4 +1,5 @@
 """GPU behaviour of the whole step (run on the GPU machine: pytest -m gpu). Skipped without CUDA."""
+import re
 import pytest
 import torch
 from tests.helpers import profile_share, table_rows
@@ -87,6 +88,10 @@ def test_the_profile_sees_the_kernels_inside_the_step_graph():
     from trainer import bench
     cfg = config("mode=bench", "amp=true", "data.resolution=32", "trainer.batch_size=512", "bench.steps=10",
                  "bench.warmup=3", "bench.baselines=[]", "bench.profile=5")
-    profiled = bench.run(cfg, torch.device("cuda", 0), cfg.bench.optimizers).split("steps profiled:")[1]
+    text = bench.run(cfg, torch.device("cuda", 0), cfg.bench.optimizers)
+    peak = float(table_rows(text.split("steps profiled:")[0])["ours momentum fp16"][4])
+    arena = float(re.search(r"its arena .* ([\d.]+) GiB of its peak", text)[1])
+    assert 0 < arena < peak  # the step's activations come on top of the arena
+    profiled = text.split("steps profiled:")[1]
     assert 0.3 < profile_share(profiled) < 1.2, profiled
     assert len(table_rows(profiled)) > 10, profiled  # the fast net's convolutions, its fused kernels, the range ops

@@ -1,8 +1,8 @@
 """mode=bench: our training step against the loops a PyTorch user writes by hand, side by
 side in one process, on the same model, batch, resolution and device, with synthetic
 input already on the device. Each method's numbers: median ms/step, images/s, peak
-device memory, and time to first step (build, warm-up, capture and one step); with
-bench.profile, where its step's time goes, kernel by kernel."""
+device memory (ours: and its arena's share), and time to first step (build, warm-up,
+capture and one step); with bench.profile, where its step's time goes, kernel by kernel."""
 import copy
 import gc
 import statistics
@@ -24,9 +24,10 @@ class Result:
     method: str
     ms: float
     images_per_s: float
-    peak_gib: float
+    peak_gib: float  # from the build on: warm-up, autotuning and capture included
     first_step_s: float
     profile: str = ""
+    arena_gib: float | None = None  # ours: the plan's persistent tensors, part of its peak
 
 
 def _timed_steps(step, steps: int, warmup: int, device) -> list[float]:
@@ -121,6 +122,7 @@ def ours(cfg: TrainConfig, device) -> Result:
     name = f"ours {cfg.optimizer.name}" + (f" {cfg.amp_dtype}" if cfg.amp else " fp32") + (
         " compile" if cfg.compile else "") + ("" if engine.executor.use_graphs else " eager")
     result = _measure(cfg, name, step, t0, device)
+    result.arena_gib = engine.plans.main.total_bytes / 2**30
     del engine
     return result
 
@@ -170,6 +172,9 @@ def table(cfg: TrainConfig, results: list[Result], device) -> str:
         vs = lambda base: f"{r.images_per_s / base.images_per_s:.2f}x" if base else "-"
         lines.append(f"| {r.method} | {r.ms:.2f} | {r.images_per_s:,.0f} | {vs(eager)} | {vs(compiled)} | "
                      f"{r.peak_gib:.2f} | {r.first_step_s:.1f} |")
+    arenas = [f"{r.method}: its arena (the plan's persistent tensors) {r.arena_gib:.2f} GiB of its peak"
+              for r in results if r.arena_gib is not None]
+    lines += ["", *arenas] if arenas else []
     for r in results:
         if r.profile:
             lines += ["", f"{r.method}, {cfg.bench.profile} steps profiled:", "", r.profile]
