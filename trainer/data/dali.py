@@ -60,6 +60,14 @@ def decode_all(names: list[str], encoded: list[np.ndarray], threads: int, batch:
     return out
 
 
+class QueuedEpoch:
+    """An epoch as a DaliSource feeds it: its order, its draws, how many batches are fed."""
+
+    def __init__(self, epoch: int, resolution: int, plan: EpochPlan, draws: dict[str, np.ndarray]):
+        self.epoch, self.resolution, self.plan, self.draws = epoch, resolution, plan, draws
+        self.scheduled = 0
+
+
 class DaliSource:
     """A Source whose batches come from DALI pipelines: per resolution, one pipeline for each
     part of a batch (one part, unless a subclass splits the work, as JPEG folders split
@@ -138,7 +146,7 @@ class DaliSource:
         for name, value in feeds.items():
             pipe.feed_input(name, value)
 
-    def _queue(self, epoch: int, resolution: int) -> "QueuedEpoch":
+    def _queue(self, epoch: int, resolution: int) -> QueuedEpoch:
         if resolution not in self._pipes:
             # fp16 goes straight into the arena (4 channels, the 4th zero); DALI has no
             # bfloat16, so bf16 takes an fp16 detour through a staging tensor in fill().
@@ -170,7 +178,7 @@ class DaliSource:
         while len(self._in_flight) < IN_FLIGHT and self._epoch.scheduled < len(self._epoch.plan):
             self._schedule(self._epoch)
 
-    def _schedule(self, queued: "QueuedEpoch") -> None:
+    def _schedule(self, queued: QueuedEpoch) -> None:
         span = queued.plan.span(queued.scheduled)
         examples, real = queued.plan.examples[span], queued.plan.real[span]
         self._in_flight.append(examples)
@@ -233,10 +241,3 @@ class DaliSource:
             feed_ndarray(images.as_tensor(), out[start:start + len(chunk)])
         return out.permute(0, 3, 1, 2).contiguous()
 
-
-class QueuedEpoch:
-    """An epoch as a DaliSource feeds it: its order, its draws, how many batches are fed."""
-
-    def __init__(self, epoch: int, resolution: int, plan: EpochPlan, draws: dict[str, np.ndarray]):
-        self.epoch, self.resolution, self.plan, self.draws = epoch, resolution, plan, draws
-        self.scheduled = 0
