@@ -274,11 +274,17 @@ def test_a_changed_archive_misses_the_cache(archive, tmp_path, batches):
     assert len(list((tmp_path / "cache").iterdir())) == 2
 
 
-def test_an_unreadable_cache_entry_is_decoded_again_and_rewritten(archive, tmp_path, caplog):
+@pytest.mark.parametrize("damage", ["cut short", "one byte flipped"])
+def test_an_unreadable_cache_entry_is_decoded_again_and_rewritten(archive, tmp_path, caplog, damage):
     cfg = config(archive, decode_cache=str(tmp_path / "cache"))
     first = images_and_labels(cfg)
     (entry,) = (tmp_path / "cache").iterdir()
-    entry.write_bytes(entry.read_bytes()[:1000])  # cut short, as by a full disk
+    data = bytearray(entry.read_bytes())
+    if damage == "cut short":  # as by a full disk
+        data = data[:1000]
+    else:  # in the middle of the training pixels: the zip's CRC tells
+        data[len(data) // 3] ^= 0xFF
+    entry.write_bytes(bytes(data))
     for a, b in zip(first, images_and_labels(cfg)):
         assert torch.equal(a, b)
     assert "cannot be read" in caplog.text
