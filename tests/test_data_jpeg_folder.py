@@ -65,7 +65,6 @@ def test_labels_follow_the_sorted_class_folders(tree, host_decode, parts):
         assert sorted(labels) == sorted([0, 1, 2] * (len(labels) // 3))  # every image once
 
 
-
 @pytest.mark.parametrize("host_decode", [0.0, 0.5])
 def test_later_epochs_fed_ahead_serve_their_own_order_through_both_decoders(tree, host_decode):
     # three batches an epoch: each later epoch is fed whole while the one before is served,
@@ -76,6 +75,7 @@ def test_later_epochs_fed_ahead_serve_their_own_order_through_both_decoders(tree
         labels = [lab for _, label, _ in batches for lab in label.tolist()]
         assert labels == train.labels[train.shard.epoch(train.seed, epoch).examples].tolist()
         assert labels == [LABEL_OF_COLOR[c] for data, _, _ in batches for c in colors_of(data)]
+
 
 def test_last_partial_batch_low_resolution_and_half(tree):
     train, _ = build_sources(config(tree, batch=4, drop_last=False), CPU, 0, 1, torch.float16)

@@ -109,7 +109,6 @@ def test_epochs_shorter_than_the_prefetch_depth():
         assert np.bincount(labels).tolist() == [4] * 10
 
 
-
 def test_the_next_epochs_first_batches_are_fed_ahead_and_served_as_a_fresh_start_would():
     """At an epoch's end its successor's first batches are already with DALI, so the run
     does not wait at each epoch's start; they are the batches the next epoch would make anyway."""
@@ -124,6 +123,7 @@ def test_the_next_epochs_first_batches_are_fed_ahead_and_served_as_a_fresh_start
     # fed ahead at 16 pixels, the next epoch asks for 8: those batches are dropped, none served
     labels = [lab for _, label, _ in serve(train, sizes, 8, epoch=2) for lab in label.tolist()]
     assert np.bincount(labels).tolist() == [16] * 10
+
 
 @pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])
 def test_half_data_has_a_zero_fourth_channel(half):

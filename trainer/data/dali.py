@@ -92,7 +92,6 @@ class DaliSource:
         self.d, self.seed, self.device, self.half, self.augment = d, seed, device, half, augment
         self.gpu = device.type == "cuda"
         self._pipes: dict[int, list[Pipeline]] = {}
-        self._pipe: list[Pipeline] = []  # this epoch's pipelines, one per part
         self._epoch: QueuedEpoch | None = None  # the epoch fill() serves
         self._next: QueuedEpoch | None = None  # the one after it, once its first batches are fed
         self._in_flight: deque[np.ndarray] = deque()  # examples of the fed iterations, in order
@@ -168,13 +167,12 @@ class DaliSource:
             # An epoch left unfinished (a fractional last epoch), or batches fed ahead for
             # an epoch that is not this one, leave iterations in flight: collect them, or
             # this epoch would begin with their batches.
-            while self._in_flight:
+            while self._in_flight:  # all at the last epoch's resolution
                 self._in_flight.popleft()
-                for pipe in self._pipe:
+                for pipe in self._pipes[self._epoch.resolution]:
                     pipe.outputs()
             self._epoch = self._queue(epoch, resolution)
         self._next = None
-        self._pipe = self._pipes[resolution]
         while len(self._in_flight) < IN_FLIGHT and self._epoch.scheduled < len(self._epoch.plan):
             self._schedule(self._epoch)
 
@@ -197,7 +195,7 @@ class DaliSource:
         self._epoch.plan.take(len(data))
         examples = self._in_flight.popleft()
         stream = stream if self.gpu else None
-        for pipe, rows in zip(self._pipe, self.part_slices(len(data))):
+        for pipe, rows in zip(self._pipes[self._epoch.resolution], self.part_slices(len(data))):
             try:
                 # bound to `stream`: the copies below wait for DALI on the device, not the host
                 images, labels, masks = pipe.outputs(cuda_stream=stream)
@@ -240,4 +238,3 @@ class DaliSource:
                 raise self.decode_error(chunk, e) from e
             feed_ndarray(images.as_tensor(), out[start:start + len(chunk)])
         return out.permute(0, 3, 1, 2).contiguous()
-

@@ -57,6 +57,7 @@ class SyntheticSource(DaliSource):
         corners = crop_offsets(self.shard.total, self.d.crop_padding, self.seed, epoch) - self.d.crop_padding
         return {**super().draws(epoch), "corner": corners.astype(np.int32)}
 
+
 def sources(d: DataConfig, train: Shard, val: Shard, seed: int, device: torch.device,
             half: torch.dtype | None) -> tuple[SyntheticSource, SyntheticSource]:
     if d.num_classes != NUM_CLASSES:
