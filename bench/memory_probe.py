@@ -1,6 +1,6 @@
-"""Where our step's peak device memory is set: the plan's arena, the warm-up on a side
-stream (cuDNN autotuning included), the capture, the replays. Against the eager loop's
-peak in `mode=bench`.
+"""Where our step's peak device memory is set: the plan's arena, the warm-up on the
+executor's stream (cuDNN autotuning included), the capture, the replays. Against the
+eager loop's peak in `mode=bench`.
 
     python bench/memory_probe.py model=resnet18_cifar data.resolution=32 amp=true trainer.batch_size=512
 """
@@ -30,12 +30,12 @@ def main(overrides: list[str]):
     print(f"arena {engine.plans.main.total_bytes / 2**30:.3f} GiB")
     lap("assemble")
     program = engine.executor.programs[("train_base", BUFFERS[0])]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    stream = engine.executor.stream
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
         program()
     lap("one warm-up step (autotuning)")
-    with torch.cuda.stream(side):
+    with torch.cuda.stream(stream):
         program()
     lap("a second warm-up step")
     engine.executor.capture([("train_base", b) for b in BUFFERS])

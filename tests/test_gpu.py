@@ -59,6 +59,19 @@ def test_evaluation_alone_captures_only_the_evaluation_graphs(tmp_path):
     assert 0 <= t.evaluate()["val_top1"] <= 1
 
 
+def test_after_the_capture_only_the_arena_stays_allocated():
+    """Warm-up and capture leave nothing allocated beside the arena and the graphs' pool:
+    no cuBLAS workspace of a side stream (tens of MiB each), which would add to the peak."""
+    from trainer.feeder import BUFFERS
+    from trainer.setup import assemble
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    engine = assemble(config("mode=bench", "amp=true", "trainer.batch_size=64"), torch.device("cuda", 0))
+    engine.executor.capture([("train_base", b) for b in BUFFERS])
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - before - engine.plans.main.total_bytes < 2**20
+
+
 def test_amp_overflow_is_skipped_inside_the_graph(tmp_path):
     t = trainer_for(tmp_path, "amp=true", "trainer.epochs=1")
     scale = t.ops.s[B.LOSS_SCALE]

@@ -58,8 +58,11 @@ def _sync(device):
 
 
 def _fresh(device):
+    """Each method's peak counts only its own memory: what the last one left cached goes,
+    cuBLAS's per-stream workspaces included."""
     gc.collect()
     if device.type == "cuda":
+        torch._C._cuda_clearCublasWorkspaces()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
 

@@ -13,33 +13,40 @@ class Executor:
         self.use_graphs = use_graphs and arena.device.type == "cuda"
         self.graphs: dict[tuple[str, str], torch.cuda.CUDAGraph] = {}
         self.pool = None
+        # Warm-up and capture share one stream: cuBLAS keeps a workspace (tens of MiB) for
+        # every stream it has run on, so each extra stream would add to the peak.
+        self.stream = torch.cuda.Stream(arena.device) if self.use_graphs else None
 
     def keys(self, train: bool) -> list[tuple[str, str]]:
         """The (variant, buffer) keys of the training programs, or of the evaluation ones."""
         return [k for k, p in self.programs.items() if p.variant.train == train]
 
     def capture(self, keys=None):
-        """Warm up every program (or those of `keys`) (cuDNN autotuning, lazy initialization) on a side stream,
-        then capture each into a graph; all graphs share one memory pool for autograd's
-        activations. Warm-up steps change weights, moments and BN statistics, so the
+        """Warm up every program (or those of `keys`) (cuDNN autotuning, lazy initialization) on
+        the executor's stream, then capture each into a graph on it; all graphs share one
+        memory pool for autograd's activations. cuBLAS's workspace is dropped before the
+        capture and after it, as inductor's graph trees do: the capture then allocates it in
+        the graphs' pool, where they share it, and nothing is left allocated beside the
+        arena and the pool. Warm-up steps change weights, moments and BN statistics, so the
         arena is restored afterwards: training starts from exactly the bound state."""
         if not self.use_graphs:
             return
         programs = {k: self.programs[k] for k in (keys or self.programs)}
         snapshot = self.arena.storage.to("cpu")
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
             for program in programs.values():
                 for _ in range(self.warmup):
                     program()
-        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.current_stream().wait_stream(self.stream)
+        torch._C._cuda_clearCublasWorkspaces()
         self.pool = torch.cuda.graph_pool_handle()
         for key, program in programs.items():
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
                 program()
             self.graphs[key] = graph
+        torch._C._cuda_clearCublasWorkspaces()
         self.arena.storage.copy_(snapshot)
 
     def run(self, variant: str, buffer: str):
