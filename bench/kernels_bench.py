@@ -56,6 +56,9 @@ def cases(n, chunk_segment):
     yield "sgd", "sgd_", (w, g, None, lr, wd, mu, skip, False), 3 * f32
     yield "momentum", "sgd_", (w, g, m, lr, wd, mu, skip, False), 5 * f32
     yield "nesterov", "sgd_", (w, g, m, lr, wd, mu, skip, True), 5 * f32
+    # under AMP: fp16 gradients at the loss scale, unscaled as the update reads them
+    yield "momentum, fp16 gradients", "sgd_", (w, rand(torch.float16), m, lr, wd, mu, skip, False, scalar(1 / 1024)), \
+        f32 * 9 // 2
     yield "adam", "adam_", (w, g, m, v, *adam, False), 7 * f32
     yield "adamw", "adam_", (w, g, m, v, *adam, True), 7 * f32
     yield "lars", "lars_", (w, g, m, norms, chunk_segment, lr, wd, mu, scalar(0.001), skip), 7 * f32

@@ -4,6 +4,9 @@ Each works in place on flat tensors covering a whole region range, whatever the 
 of parameters in it. Scalars (learning rate, decay, flags, step) are 1-element tensors
 in device memory, so a captured graph reads their current values at every replay.
 `skip` is the int8 overflow flag: when it is set the update leaves every byte as it was.
+`g_scale`, where given, is the inverse loss scale: the gradients are then half precision
+and still scaled (AMP's weight block), and the update unscales them in fp32 as it reads
+them, so that no fp32 copy of them is ever written.
 The Triton kernels in this package compute the same functions; tests hold them to these.
 """
 import torch
@@ -20,9 +23,13 @@ def _commit(skip: torch.Tensor, *pairs):
         old.copy_(torch.where(keep, old, new))
 
 
-def sgd_(w, g, m, lr, wd, momentum, skip, nesterov: bool):
+def _unscaled(g, g_scale):
+    return g if g_scale is None else g.to(torch.float32) * g_scale
+
+
+def sgd_(w, g, m, lr, wd, momentum, skip, nesterov: bool, g_scale=None):
     """torch.optim.SGD: d = g + wd*w; m = mu*m + d; w -= lr*(d + mu*m if nesterov else m)."""
-    d = g + wd * w
+    d = _unscaled(g, g_scale) + wd * w
     if m is None:
         return _commit(skip, (w, w - lr * d))
     m_new = momentum * m + d
@@ -30,10 +37,11 @@ def sgd_(w, g, m, lr, wd, momentum, skip, nesterov: bool):
     _commit(skip, (w, w - lr * step), (m, m_new))
 
 
-def adam_(w, g, m, v, lr, wd, beta1, beta2, eps, step, skip, decoupled: bool):
+def adam_(w, g, m, v, lr, wd, beta1, beta2, eps, step, skip, decoupled: bool, g_scale=None):
     """torch.optim.Adam (L2 decay in the gradient) or AdamW (decoupled decay); `step` is
     the count of updates including this one."""
     t = step.to(torch.float32)
+    g = _unscaled(g, g_scale)
     if decoupled:
         w_dec = w * (1 - lr * wd)
     else:
@@ -45,17 +53,19 @@ def adam_(w, g, m, v, lr, wd, beta1, beta2, eps, step, skip, decoupled: bool):
     _commit(skip, (w, w_dec - (lr / bias1) * m_new / denom), (m, m_new), (v, v_new))
 
 
-def lars_norms_(w, g, norms, chunk_segment):
+def lars_norms_(w, g, norms, chunk_segment, g_scale=None):
     """Add each tensor's |w|^2 and |g|^2 into norms[:, 0] and norms[:, 1] (the N_ range as
     (tensors, 128)); chunk_segment maps each 128-element chunk of w to its tensor. Squares,
     so that the partial sums of a tensor's shards add up."""
+    g = _unscaled(g, g_scale)
     norms[:, 0].index_add_(0, chunk_segment, w.view(-1, CHUNK).square().sum(1))
     norms[:, 1].index_add_(0, chunk_segment, g.view(-1, CHUNK).square().sum(1))
 
 
-def lars_apply_(w, g, m, norms, chunk_segment, lr, wd, momentum, eta, skip):
+def lars_apply_(w, g, m, norms, chunk_segment, lr, wd, momentum, eta, skip, g_scale=None):
     """MLPerf LARS from the squared norms: per tensor trust = eta*|w| / (|g| + wd*|w|) (1
     where either norm is 0); m = mu*m + lr*trust*(g + wd*w); w -= m."""
+    g = _unscaled(g, g_scale)
     wn, gn = norms[:, 0].sqrt(), norms[:, 1].sqrt()
     trust = torch.where((wn > 0) & (gn > 0), eta * wn / (gn + wd * wn), torch.ones_like(wn))
     scaled = (lr * trust)[chunk_segment].unsqueeze(1)  # per chunk
@@ -63,11 +73,11 @@ def lars_apply_(w, g, m, norms, chunk_segment, lr, wd, momentum, eta, skip):
     _commit(skip, (w, w - m_new), (m, m_new))
 
 
-def lars_(w, g, m, norms, chunk_segment, lr, wd, momentum, eta, skip):
+def lars_(w, g, m, norms, chunk_segment, lr, wd, momentum, eta, skip, g_scale=None):
     """LARS on the weight block: the norms of every tensor, then the update."""
     norms[:, :2].zero_()
-    lars_norms_(w, g, norms, chunk_segment)
-    lars_apply_(w, g, m, norms, chunk_segment, lr, wd, momentum, eta, skip)
+    lars_norms_(w, g, norms, chunk_segment, g_scale)
+    lars_apply_(w, g, m, norms, chunk_segment, lr, wd, momentum, eta, skip, g_scale)
 
 
 def lars_bias_(w, g, m, lr, wd, momentum, skip):

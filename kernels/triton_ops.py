@@ -45,6 +45,15 @@ def _live(skip_ptr):
 
 
 @triton.jit
+def _grad(g_ptr, offs, mask, g_scale_ptr, G_SCALE: tl.constexpr):
+    """The gradient in fp32 at unit scale: a half one under AMP is unscaled as it is read."""
+    g = tl.load(g_ptr + offs, mask).to(tl.float32)
+    if G_SCALE:
+        g = g * tl.load(g_scale_ptr)
+    return g
+
+
+@triton.jit
 def _pow(base, exponent):
     """base ** exponent for an integer exponent >= 0, by squaring in float64 so that the
     float32 result is as close as torch's pow (Adam's bias correction 1 - beta2**t cancels
@@ -59,6 +68,11 @@ def _pow(base, exponent):
     return result.to(tl.float32)
 
 
+def _or(pointer, unused):
+    """A kernel's optional pointer, or a tensor it will not read in its place."""
+    return unused if pointer is None else pointer
+
+
 def _launch(kernel, n: int, *args, **constexprs):
     """One program per BLOCK elements. n stays a specialized argument: Triton then knows it
     is a multiple of 16 (every range is a multiple of CHUNK), which keeps masked accesses
@@ -71,13 +85,13 @@ def _launch(kernel, n: int, *args, **constexprs):
 
 # -- optimizer updates -----------------------------------------------------------------
 @triton.jit
-def _sgd_kernel(w_ptr, g_ptr, m_ptr, lr_ptr, wd_ptr, mu_ptr, skip_ptr, n,
-                HAS_M: tl.constexpr, NESTEROV: tl.constexpr, BLOCK: tl.constexpr):
+def _sgd_kernel(w_ptr, g_ptr, m_ptr, lr_ptr, wd_ptr, mu_ptr, skip_ptr, g_scale_ptr, n,
+                HAS_M: tl.constexpr, NESTEROV: tl.constexpr, G_SCALE: tl.constexpr, BLOCK: tl.constexpr):
     offs, mask = _span(n, BLOCK)
     mask &= _live(skip_ptr)
     lr, wd = tl.load(lr_ptr), tl.load(wd_ptr)
     w = tl.load(w_ptr + offs, mask)
-    d = tl.load(g_ptr + offs, mask) + wd * w
+    d = _grad(g_ptr, offs, mask, g_scale_ptr, G_SCALE) + wd * w
     if HAS_M:
         mu = tl.load(mu_ptr)
         m = mu * tl.load(m_ptr + offs, mask) + d
@@ -89,15 +103,15 @@ def _sgd_kernel(w_ptr, g_ptr, m_ptr, lr_ptr, wd_ptr, mu_ptr, skip_ptr, n,
     tl.store(w_ptr + offs, w - lr * d, mask)
 
 
-def sgd_(w, g, m, lr, wd, momentum, skip, nesterov: bool):
+def sgd_(w, g, m, lr, wd, momentum, skip, nesterov: bool, g_scale=None):
     has_m = m is not None
-    _launch(_sgd_kernel, w.numel(), w, g, m if has_m else w, lr, wd, momentum, skip,
-            HAS_M=has_m, NESTEROV=has_m and nesterov)
+    _launch(_sgd_kernel, w.numel(), w, g, m if has_m else w, lr, wd, momentum, skip, _or(g_scale, lr),
+            HAS_M=has_m, NESTEROV=has_m and nesterov, G_SCALE=g_scale is not None)
 
 
 @triton.jit
 def _adam_kernel(w_ptr, g_ptr, m_ptr, v_ptr, lr_ptr, wd_ptr, b1_ptr, b2_ptr, eps_ptr, step_ptr,
-                 skip_ptr, n, DECOUPLED: tl.constexpr, BLOCK: tl.constexpr):
+                 skip_ptr, g_scale_ptr, n, DECOUPLED: tl.constexpr, G_SCALE: tl.constexpr, BLOCK: tl.constexpr):
     offs, mask = _span(n, BLOCK)
     mask &= _live(skip_ptr)
     lr, wd, b1, b2, eps = tl.load(lr_ptr), tl.load(wd_ptr), tl.load(b1_ptr), tl.load(b2_ptr), tl.load(eps_ptr)
@@ -107,7 +121,7 @@ def _adam_kernel(w_ptr, g_ptr, m_ptr, v_ptr, lr_ptr, wd_ptr, b1_ptr, b2_ptr, eps
     step_size = tl.div_rn(lr, 1 - _pow(b1, t))
     bias2_sqrt = tl.sqrt_rn(1 - _pow(b2, t))
     w = tl.load(w_ptr + offs, mask)
-    g = tl.load(g_ptr + offs, mask)
+    g = _grad(g_ptr, offs, mask, g_scale_ptr, G_SCALE)
     if DECOUPLED:
         w = w * (1 - lr * wd)
     else:
@@ -119,20 +133,21 @@ def _adam_kernel(w_ptr, g_ptr, m_ptr, v_ptr, lr_ptr, wd_ptr, b1_ptr, b2_ptr, eps
     tl.store(w_ptr + offs, w - tl.div_rn(step_size * m, tl.div_rn(tl.sqrt_rn(v), bias2_sqrt) + eps), mask)
 
 
-def adam_(w, g, m, v, lr, wd, beta1, beta2, eps, step, skip, decoupled: bool):
-    _launch(_adam_kernel, w.numel(), w, g, m, v, lr, wd, beta1, beta2, eps, step, skip,
-            DECOUPLED=decoupled)
+def adam_(w, g, m, v, lr, wd, beta1, beta2, eps, step, skip, decoupled: bool, g_scale=None):
+    _launch(_adam_kernel, w.numel(), w, g, m, v, lr, wd, beta1, beta2, eps, step, skip, _or(g_scale, lr),
+            DECOUPLED=decoupled, G_SCALE=g_scale is not None)
 
 
 @triton.jit
-def _lars_norms_kernel(w_ptr, g_ptr, norms_ptr, norms_stride, seg_ptr, n, BLOCK: tl.constexpr):
+def _lars_norms_kernel(w_ptr, g_ptr, norms_ptr, norms_stride, seg_ptr, g_scale_ptr, n, G_SCALE: tl.constexpr,
+                       BLOCK: tl.constexpr):
     """Adds |w|^2 and |g|^2 of this program's chunks into norms[segment, 0:2]. Chunks of one
     segment are summed here first, so a program issues one atomic per segment it touches,
     not one per chunk (a 2.4M-element conv would otherwise serialize 18K atomics on one word)."""
     CHUNKS: tl.constexpr = BLOCK // _CHUNK
     chunk, offs, mask = _chunk_tile(n, BLOCK)
     w = tl.load(w_ptr + offs, mask)
-    g = tl.load(g_ptr + offs, mask)
+    g = _grad(g_ptr, offs, mask, g_scale_ptr, G_SCALE)
     seg = tl.load(seg_ptr + chunk, chunk * _CHUNK < n, other=-1)
     same = seg[:, None] == seg[None, :]
     w_sq = tl.sum(tl.where(same, tl.sum(w * w, 1)[None, :], 0.0), 1)
@@ -146,7 +161,7 @@ def _lars_norms_kernel(w_ptr, g_ptr, norms_ptr, norms_stride, seg_ptr, n, BLOCK:
 
 @triton.jit
 def _lars_kernel(w_ptr, g_ptr, m_ptr, norms_ptr, norms_stride, seg_ptr, lr_ptr, wd_ptr, mu_ptr,
-                 eta_ptr, skip_ptr, n, TRUST: tl.constexpr, BLOCK: tl.constexpr):
+                 eta_ptr, skip_ptr, g_scale_ptr, n, TRUST: tl.constexpr, G_SCALE: tl.constexpr, BLOCK: tl.constexpr):
     """m = mu*m + lr*trust*(g + wd*w); w -= m, with one trust ratio per chunk from the
     squared norms (TRUST) or none (the bias block)."""
     chunk, offs, mask = _chunk_tile(n, BLOCK)
@@ -162,32 +177,33 @@ def _lars_kernel(w_ptr, g_ptr, m_ptr, norms_ptr, norms_stride, seg_ptr, lr_ptr, 
     else:
         scaled = lr
     w = tl.load(w_ptr + offs, mask)
-    g = tl.load(g_ptr + offs, mask)
+    g = _grad(g_ptr, offs, mask, g_scale_ptr, G_SCALE)
     m = mu * tl.load(m_ptr + offs, mask) + scaled * (g + wd * w)
     tl.store(m_ptr + offs, m, mask)
     tl.store(w_ptr + offs, w - m, mask)
 
 
-def lars_norms_(w, g, norms, chunk_segment):
+def lars_norms_(w, g, norms, chunk_segment, g_scale=None):
     assert w.numel() == chunk_segment.numel() * CHUNK
-    _launch(_lars_norms_kernel, w.numel(), w, g, norms, norms.stride(0), chunk_segment)
+    _launch(_lars_norms_kernel, w.numel(), w, g, norms, norms.stride(0), chunk_segment, _or(g_scale, norms),
+            G_SCALE=g_scale is not None)
 
 
-def lars_apply_(w, g, m, norms, chunk_segment, lr, wd, momentum, eta, skip):
+def lars_apply_(w, g, m, norms, chunk_segment, lr, wd, momentum, eta, skip, g_scale=None):
     _launch(_lars_kernel, w.numel(), w, g, m, norms, norms.stride(0), chunk_segment,
-            lr, wd, momentum, eta, skip, TRUST=True)
+            lr, wd, momentum, eta, skip, _or(g_scale, lr), TRUST=True, G_SCALE=g_scale is not None)
 
 
-def lars_(w, g, m, norms, chunk_segment, lr, wd, momentum, eta, skip):
+def lars_(w, g, m, norms, chunk_segment, lr, wd, momentum, eta, skip, g_scale=None):
     """Three launches: zero the norms, sum squares per segment, update."""
     norms[:, :2].zero_()
-    lars_norms_(w, g, norms, chunk_segment)
-    lars_apply_(w, g, m, norms, chunk_segment, lr, wd, momentum, eta, skip)
+    lars_norms_(w, g, norms, chunk_segment, g_scale)
+    lars_apply_(w, g, m, norms, chunk_segment, lr, wd, momentum, eta, skip, g_scale)
 
 
 def lars_bias_(w, g, m, lr, wd, momentum, skip):
-    # The pointers a bias update never reads (norms, segments, eta) are filled with w and lr.
-    _launch(_lars_kernel, w.numel(), w, g, m, w, 0, w, lr, wd, momentum, lr, skip, TRUST=False)
+    # The pointers a bias update never reads (norms, segments, eta, g_scale) are filled with w and lr.
+    _launch(_lars_kernel, w.numel(), w, g, m, w, 0, w, lr, wd, momentum, lr, skip, lr, TRUST=False, G_SCALE=False)
 
 
 # -- loss scaling, casts, EMA ----------------------------------------------------------

@@ -76,47 +76,85 @@ def hyper(lr=0.1, wd=1e-2, skip=0):
     return scalar(lr), scalar(wd), scalar(skip, torch.int8)
 
 
+SCALE = 1024.0
+GRADS = ["fp32", *HALF]  # fp32 gradients, or half ones still multiplied by the loss scale (AMP)
+
+
+def gradient(dtype, seed=2):
+    """A gradient and the g_scale argument that goes with it: None, or 1/SCALE for a half
+    gradient of SCALE times the values."""
+    g = rand(N, seed=seed)
+    return (g, []) if dtype == "fp32" else ((g * SCALE).to(dtype), [scalar(1 / SCALE)])
+
+
+@pytest.mark.parametrize("grad", GRADS)
 @pytest.mark.parametrize("skip", [0, 1])
 @pytest.mark.parametrize("rule", ["sgd", "momentum", "nesterov"])
-def test_sgd(rule, skip):
+def test_sgd(rule, skip, grad):
     lr, wd, flag = hyper(skip=skip)
-    w, g, m = rand(N, seed=1), rand(N, seed=2), (None if rule == "sgd" else rand(N, seed=3))
-    args = [w, g, m, lr, wd, scalar(0.9), flag, rule == "nesterov"]
+    (g, g_scale), w, m = gradient(grad), rand(N, seed=1), (None if rule == "sgd" else rand(N, seed=3))
+    args = [w, g, m, lr, wd, scalar(0.9), flag, rule == "nesterov", *g_scale]
     ref, tri = run_both("sgd_", *args)
     assert_same(ref, tri)
     if skip:
         assert_untouched([w, g] + ([m] if m is not None else []), tri)
 
 
+@pytest.mark.parametrize("grad", GRADS)
 @pytest.mark.parametrize("skip", [0, 1])
 @pytest.mark.parametrize("step", [1, 5])
 @pytest.mark.parametrize("decoupled", [False, True])
-def test_adam(decoupled, step, skip):
+def test_adam(decoupled, step, skip, grad):
     lr, wd, flag = hyper(lr=1e-3, skip=skip)
-    w, g, m, v = rand(N, seed=1), rand(N, seed=2), rand(N, seed=3) * 0.1, rand(N, seed=4).square() * 0.01
+    (g, g_scale), w, m, v = gradient(grad), rand(N, seed=1), rand(N, seed=3) * 0.1, rand(N, seed=4).square() * 0.01
     ref, tri = run_both("adam_", w, g, m, v, lr, wd, scalar(0.9), scalar(0.999), scalar(1e-8),
-                        scalar(step, torch.int32), flag, decoupled)
+                        scalar(step, torch.int32), flag, decoupled, *g_scale)
     assert_same(ref, tri)
     if skip:
         assert_untouched([w, g, m, v], tri)
 
 
+@pytest.mark.parametrize("grad", GRADS)
 @pytest.mark.parametrize("skip", [0, 1])
-def test_lars(skip):
+def test_lars(skip, grad):
     # Chunks per segment: segment 2 crosses the program boundary at chunk 32; segment 1 has
     # |w| = 0 and segment 3 |g| = 0 (trust ratio 1 for both).
     lengths = torch.tensor([3, 1, 30, 1, 2])
     chunk_segment = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), lengths).to(DEVICE)
     starts = (torch.cumsum(lengths, 0) - lengths) * CHUNK
-    w, g, m = rand(N, seed=1), rand(N, seed=2), rand(N, seed=3)
+    (g, g_scale), w, m = gradient(grad), rand(N, seed=1), rand(N, seed=3)
     w[starts[1]:starts[1] + CHUNK] = 0
     g[starts[3]:starts[3] + CHUNK] = 0
     norms = rand(len(lengths), CHUNK, seed=4)  # junk the op must overwrite (columns 0, 1) or keep
     lr, wd, flag = hyper(skip=skip)
-    ref, tri = run_both("lars_", w, g, m, norms, chunk_segment, lr, wd, scalar(0.9), scalar(0.02), flag)
+    ref, tri = run_both("lars_", w, g, m, norms, chunk_segment, lr, wd, scalar(0.9), scalar(0.02), flag, *g_scale)
     assert_same(ref, tri)
     if skip:
         assert_untouched([w, g, m], tri[:3])
+
+
+@pytest.mark.parametrize("rule", ["nesterov", "adamw", "lars"])
+@pytest.mark.parametrize("dtype", HALF)
+def test_reading_scaled_half_gradients_is_unscaling_them_first(rule, dtype):
+    """AMP's fused unscale: an update given half gradients and g_scale writes exactly what
+    unscale_ into fp32 and then the update of those would, bit for bit."""
+    g16, (g_scale,) = gradient(dtype)
+    lr, wd, flag = hyper()
+    g32 = torch.empty(N, device=DEVICE)
+    reference.unscale_(g16, g32, g_scale, scalar(0, torch.int8))
+    segments = torch.arange(N // CHUNK, dtype=torch.int32, device=DEVICE)
+    results = []
+    for g, extra in ((g32, []), (g16, [g_scale])):
+        w, m, v, norms = rand(N, seed=1), rand(N, seed=3), rand(N, seed=4).square(), torch.zeros(N // CHUNK, CHUNK)
+        if rule == "nesterov":
+            reference.sgd_(w, g, m, lr, wd, scalar(0.9), flag, True, *extra)
+        elif rule == "adamw":
+            reference.adam_(w, g, m, v, lr, wd, scalar(0.9), scalar(0.999), scalar(1e-8), scalar(3, torch.int32),
+                            flag, True, *extra)
+        else:
+            reference.lars_(w, g, m, norms.to(DEVICE), segments, lr, wd, scalar(0.9), scalar(0.02), flag, *extra)
+        results.append(torch.cat([w, m, v]))
+    assert torch.equal(*results)
 
 
 @pytest.mark.parametrize("skip", [0, 1])

@@ -59,6 +59,40 @@ def lars_float64(params, grads_seq, h):
         yield ws
 
 
+@pytest.mark.parametrize("name", ["nesterov", "adamw"])
+def test_amp_update_reads_the_half_gradients_unscaled(name):
+    """Under AMP backward leaves the weight block's gradients half precision and scaled,
+    with no fp32 copy; the update unscales them as it reads them. The fp32 masters then
+    move as torch.optim moves fp32 weights from the unscaled gradients (GradScaler's
+    unscale_, then step)."""
+    model = small_cnn()
+    plans, arena, ops = bound(model, amp=True, optimizer=name)
+    h = hyper(lr=1e-3 if name == "adamw" else 0.05)
+    ops.init_scalars(h, [h.lr_weight] * STEPS, 1024.0)
+    params = plans.tensors["train_base"].params
+    masters = {n: arena[t.w] for n, t in params.items()}
+    ref = {n: w.detach().clone().requires_grad_() for n, w in masters.items()}
+    groups = [dict(params=[p for p in ref.values() if p.dim() <= 1], weight_decay=0.0),
+              dict(params=[p for p in ref.values() if p.dim() > 1], weight_decay=h.weight_decay)]
+    opt = torch.optim.AdamW(groups, lr=h.lr_weight, eps=1e-8) if name == "adamw" else \
+        torch.optim.SGD(groups, lr=h.lr_weight, momentum=0.9, nesterov=True)
+    for x, y in batches(3):
+        ops.schedule()
+        ops.clear_grads()
+        (F.cross_entropy(model(x.half()).float(), y) * ops.s[B.LOSS_SCALE]).backward()
+        for n, p in model.named_parameters():
+            assert p.grad.dtype == (torch.float16 if p.dim() > 1 else torch.float32), n
+            ref[n].grad = p.grad.float() / 1024
+        ops.grad_scaling()
+        ops.update()
+        ops.cast_weights()
+        ops.advance()
+        opt.step()
+        for n in ref:
+            torch.testing.assert_close(masters[n], ref[n].detach(), rtol=2e-5, atol=2e-6, msg=f"{name}: {n}")
+    assert ops.s[B.OVERFLOW].item() == 0 and ops.s[B.LOSS_SCALE].item() == 1024.0
+
+
 def test_lars_equals_float64_reference():
     model = small_cnn()
     h = hyper(lr=2.0, wd=5e-4, eta=0.02)
@@ -111,6 +145,11 @@ POISON_CASES = {
                     [(R.W_BN_BIAS, R.W_DEEP_CONV), (R.M_BN_BIAS, R.M_DEEP_CONV), (R.N_FC_WEIGHT, R.N_DEEP_CONV)]),
     "update_muon": (dict(optimizer="muon"), lambda ops: ops.update(),
                     [(R.W_BN_BIAS, R.W_DEEP_CONV), (R.M_BN_BIAS, R.M_DEEP_CONV)]),
+    # under AMP the update reads the half gradients (never writes them) and then moves the loss scale
+    **{f"update_{opt}_amp": (dict(optimizer=opt, amp=True), lambda ops: ops.update(),
+                             [(R.W_BN_BIAS, R.W_DEEP_CONV), (R.M_BN_BIAS, R.M_DEEP_CONV),
+                              (R.N_FC_WEIGHT, R.N_DEEP_CONV), (R.S_SCALAR_FP32, R.S_SCALAR_INT32)])
+       for opt in ("lars", "muon")},
     "ema": (dict(ema=True), lambda ops: ops.ema(), [(R.E_BN_BIAS, R.E_DEEP_CONV), (R.B_PREV_MEAN, R.B_PREV_VAR)]),
     "bn_stats": (dict(), lambda ops: ops.bn_stats_to_prev(), [(R.B_PREV_MEAN, R.B_PREV_VAR)]),
 }
@@ -131,8 +170,8 @@ def test_grad_scaling_writes_gradients_and_state_scalars_only():
     _, plans, arena, ops = poisoned(dict(amp=True))
     before = arena.storage.clone()
     ops.grad_scaling()
-    targets = [(R.G_BN_BIAS, R.G_DEEP_CONV)] + scalar_range(plans.main, B.OVERFLOW, B.LOSS_SCALE, B.GOOD_STEPS,
-                                                              B.OPT_STEP)
+    # the bias block's gradients, unscaled in place; the weight block's half ones are read only
+    targets = [(R.G_BN_BIAS, R.G_FC_BIAS)] + scalar_range(plans.main, B.OVERFLOW, B.OPT_STEP)
     outside, inside = changed_outside(arena, before, targets)
     assert outside.numel() == 0 and inside > 0
 
@@ -175,6 +214,7 @@ def test_loss_scale_grows_after_clean_steps():
     for _ in range(3):
         ops.clear_grads()
         ops.grad_scaling()
+        ops.update()
     assert ops.s[B.LOSS_SCALE].item() == 512.0 and ops.s[B.GOOD_STEPS].item() == 0
 
 

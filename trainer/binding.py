@@ -31,7 +31,7 @@ def bind(model: nn.Module, tensors: ModelTensors, arena: Arena) -> nn.Module:
             # Autograd sees the tensor the forward pass computes with: the half copy under
             # AMP, else the master. Its preset .grad makes backward accumulate in place.
             p.data = arena[t.a if t.a is not None else t.w]
-            p.grad = arena[t.g16 if t.g16 is not None else t.g]
+            p.grad = arena[t.g]
         for name, s in tensors.bn.items():
             bn = modules[name]
             for view, value in ((s.next_mean, bn.running_mean), (s.next_var, bn.running_var),

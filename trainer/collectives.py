@@ -143,7 +143,7 @@ def _grad_region(u: Unit, amp: bool) -> R:
 
 def _grad_span(ops: RangeOps, u: Unit, n_bias: int) -> torch.Tensor:
     if _half(u, ops.config.amp):
-        return ops.g16_weight[u.start - n_bias:u.start - n_bias + u.length]
+        return ops.g_weight[u.start - n_bias:u.start - n_bias + u.length]
     return ops.g_all[u.start:u.start + u.length]
 
 
@@ -224,7 +224,7 @@ class ShardedUpdate:
         self.shares = []
         for u in units(plan):
             m, v = next(moments[u.kind])
-            unit_w, unit_g = ops.w_all[u.start:u.start + u.length], ops.g_all[u.start:u.start + u.length]
+            unit_w, unit_g = ops.w_all[u.start:u.start + u.length], _grad_span(ops, u, n_bias)
             weight = u.kind in HALF_KINDS
             segments = None
             if weight and ops.config.optimizer == "lars":
@@ -242,28 +242,30 @@ class ShardedUpdate:
         """RangeOps' update dispatch, share by share; each share's all-gather overlaps the
         next share's update."""
         s, opt, skip, mu = ops.s, ops.config.optimizer, ops.s[B.OVERFLOW], ops.s[B.MOMENTUM]
+        g_scale = ops.g_scale()
         if opt == "lars":
-            self._lars_norms(ops)
+            self._lars_norms(ops, g_scale)
         for sh in self.shares:
             lr, wd = (s[B.LR_WEIGHT], s[B.WEIGHT_DECAY]) if sh.weight_block else (s[B.LR_BIAS], s[B.WEIGHT_DECAY_BIAS])
+            gs = g_scale if sh.weight_block else None
             if opt in ("adam", "adamw"):
                 ops.k.adam_(sh.w, sh.g, sh.m, sh.v, lr, wd, s[B.BETA1], s[B.BETA2], s[B.EPS], s[B.OPT_STEP],
-                            skip, opt == "adamw")
+                            skip, opt == "adamw", gs)
             elif opt == "lars" and sh.weight_block:  # from the whole tensors' norms
-                ops.k.lars_apply_(sh.w, sh.g, sh.m, ops.norms, sh.segments, lr, wd, mu, s[B.LARS_ETA], skip)
+                ops.k.lars_apply_(sh.w, sh.g, sh.m, ops.norms, sh.segments, lr, wd, mu, s[B.LARS_ETA], skip, gs)
             elif opt == "lars":
                 ops.k.lars_bias_(sh.w, sh.g, sh.m, lr, wd, mu, skip)
             else:
-                ops.k.sgd_(sh.w, sh.g, sh.m, lr, wd, mu, skip, opt == "nesterov")
+                ops.k.sgd_(sh.w, sh.g, sh.m, lr, wd, mu, skip, opt == "nesterov", gs)
             with self.comm.side():
                 self.comm.gather_shares_(sh.unit_w)
         self.comm.join()
 
-    def _lars_norms(self, ops: RangeOps):
+    def _lars_norms(self, ops: RangeOps, g_scale):
         """N_: per tensor |w|^2 and |g|^2 summed over this rank's shares, then over ranks, so
         every rank has the whole tensors' norms its shares' trust ratios need."""
         ops.norms[:, :2].zero_()
         for sh in self.shares:
             if sh.segments is not None:
-                ops.k.lars_norms_(sh.w, sh.g, ops.norms, sh.segments)
+                ops.k.lars_norms_(sh.w, sh.g, ops.norms, sh.segments, g_scale)
         self.comm.sum_(ops.norms.view(-1))

@@ -48,12 +48,15 @@ class MuonUpdate:
     def _matrices(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[start:start + n].view(shape) for (start, n), shape in zip(self.views, self.shapes)]
 
-    def __call__(self, lr: torch.Tensor, momentum: torch.Tensor, skip: torch.Tensor):
+    def __call__(self, lr: torch.Tensor, momentum: torch.Tensor, skip: torch.Tensor,
+                 g_scale: torch.Tensor | None = None):
         """Nesterov momentum m = mu*m + g, u = g + mu*m; w = w * sqrt(out)/|w| - lr * NS(u).
-        A skipped step (overflow) leaves every byte as it was."""
+        A skipped step (overflow) leaves every byte as it was. With g_scale the gradients are
+        half precision and scaled (AMP), and are unscaled in fp32 here."""
         keep = skip.bool().logical_not()
-        self.m.copy_(torch.where(keep, momentum * self.m + self.g, self.m))
-        u = self._matrices(self.g + momentum * self.m)
+        g = self.g if g_scale is None else self.g.float() * g_scale
+        self.m.copy_(torch.where(keep, momentum * self.m + g, self.m))
+        u = self._matrices(g + momentum * self.m)
         stack = torch.zeros(self.stack_shape, dtype=torch.bfloat16, device=self.w.device)
         for i, x in enumerate(u):  # wide side last
             x = x if x.shape[0] <= x.shape[1] else x.T

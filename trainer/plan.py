@@ -15,6 +15,7 @@ from trainer.errors import PlanError
 from trainer.regions import CONTIGUOUS_RANGES, FAMILY, HALF_KINDS, Kind, Region, storage_dtype
 
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw", "lars", "muon")
+_WIDE_WEIGHT_GRADS = tuple(FAMILY["G"][k] for k in HALF_KINDS)
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,8 @@ class PlanConfig:
         if name.startswith("A_") or name in ("S_SCALAR_FP16",) or (
                 name.startswith(("G_", "F_")) and name.endswith("_FP16")):
             return self.amp
+        if region in _WIDE_WEIGHT_GRADS:  # under AMP the weight block's gradients are its half twins only
+            return not self.amp
         if name.startswith("F_"):
             return not self.amp
         if name.startswith("M_"):
@@ -125,12 +128,13 @@ MAX_GRAD_SLOTS = 4
 
 @dataclass
 class ParamTensors:
-    """One model parameter's tensors across the families that hold it."""
+    """One model parameter's tensors across the families that hold it. g is the gradient
+    backward writes: fp32, or under AMP for the weight block its half twin in G_*_FP16,
+    which the update unscales as it reads it (no fp32 copy of it is ever kept)."""
     kind: Kind
     w: DTensor
     g: DTensor
     a: DTensor | None = None
-    g16: DTensor | None = None
     m: DTensor | None = None
     v: DTensor | None = None
     n: DTensor | None = None
@@ -180,14 +184,13 @@ class MemoryPlan:
     # -- semantic allocation -------------------------------------------------------
     def add_parameter(self, name: str, kind: Kind, shape: tuple) -> ParamTensors:
         """A trainable tensor of a layer kind: master weight, gradient, and whatever the
-        configuration adds (half twins, moments, LARS norms, EMA)."""
+        configuration adds (half compute weights, moments, LARS norms, EMA)."""
         c = self.config
         half = kind in HALF_KINDS
         p = ParamTensors(kind, w=self._place(FAMILY["W"][kind], name, shape),
-                         g=self._place(FAMILY["G"][kind], name + ".grad", shape))
+                         g=self._place(FAMILY["G16" if c.amp and half else "G"][kind], name + ".grad", shape))
         if c.amp and half:
             p.a = self._place(FAMILY["A"][kind], name + ".half", shape)
-            p.g16 = self._place(FAMILY["G16"][kind], name + ".half_grad", shape)
         if c.has_momentum and c.shards == 1:  # sharded moments are placed per shard unit
             p.m = self._place(FAMILY["M"][kind], name + ".momentum", shape)
         if c.has_second_moment and c.shards == 1:
@@ -322,7 +325,8 @@ class MemoryPlan:
             ["N"] if c.optimizer == "lars" else [])
         for kind in Kind:
             master = self.regions[FAMILY["W"][kind]]
-            for role in roles + (half_roles if kind in HALF_KINDS else []):
+            half = kind in HALF_KINDS
+            for role in [r for r in roles if not (r == "G" and half and c.amp)] + (half_roles if half else []):
                 region = FAMILY[role][kind]
                 twins = self.regions[region]
                 if c.sharded(region):

@@ -16,8 +16,6 @@ from kernels.reference import CHUNK
 from trainer.regions import FAMILY, HALF_KINDS, Kind
 from trainer.variants import Variant
 
-_HALF_TWINS = ("a", "g16", "e16")  # ParamTensors fields whose slots are half their master's
-
 _BN_STATS = ("running_mean", "running_var", "num_batches_tracked")
 
 
@@ -165,10 +163,9 @@ def _shard_moments(plan: MemoryPlan, placed: dict[str, ParamTensors]):
             fp32_bytes = sum(p.w.slot_bytes for p in unit)
             pad = -fp32_bytes % (c.shards * CHUNK * 4)
             last = unit[-1]
-            for field in ("w", "g", "e") + _HALF_TWINS:
-                t = getattr(last, field)
+            for t in (last.w, last.g, last.e, last.a, last.e16):
                 if t is not None:
-                    t.slot_bytes += pad // 2 if field in _HALF_TWINS else pad
+                    t.slot_bytes += pad // 2 if t.dtype == "fp16" else pad
             plan.add_moment_shard(kind, f"{kind.name.lower()}.unit{i}", (fp32_bytes + pad) // 4 // c.shards)
 
 

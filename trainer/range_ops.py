@@ -16,6 +16,7 @@ from trainer.muon import MuonUpdate
 from trainer.plan import Baseline as B
 from trainer.plan import MemoryPlan
 from trainer.regions import FAMILY, HALF_KINDS
+from trainer.regions import Kind as K
 from trainer.regions import Region as R
 from trainer.schedule import Hyperparameters
 
@@ -47,26 +48,29 @@ class RangeOps:
         self.growth_interval, self.dynamic_scale = growth_interval, c.amp and dynamic_scale
         self.s = {b: arena[plan[b]] for b in B}
         f = arena.flat
+        # The gradients backward writes: fp32, but under AMP the weight block's are half
+        # precision, still scaled, and the update unscales them as it reads them (G16).
+        g = FAMILY["G16" if c.amp else "G"]
         self.w_bias, self.g_bias = f(R.W_BN_BIAS, R.W_FC_BIAS), f(R.G_BN_BIAS, R.G_FC_BIAS)
-        self.w_weight, self.g_weight = f(R.W_FC_WEIGHT, R.W_DEEP_CONV), f(R.G_FC_WEIGHT, R.G_DEEP_CONV)
+        self.w_weight, self.g_weight = f(R.W_FC_WEIGHT, R.W_DEEP_CONV), f(g[K.FC_WEIGHT], g[K.DEEP_CONV])
+        # g_all: every fp32 gradient; under AMP the weight regions in it are empty, so it is the bias block's
         self.w_all, self.g_all = f(R.W_BN_BIAS, R.W_DEEP_CONV), f(R.G_BN_BIAS, R.G_DEEP_CONV)
         self.m_bias = f(R.M_BN_BIAS, R.M_FC_BIAS) if c.has_momentum else None
         self.m_weight = f(R.M_FC_WEIGHT, R.M_DEEP_CONV) if c.has_momentum else None
         # The weight block SGD updates: under Muon only the FC weight and the first conv.
         self.sgd_weight = (self.w_weight, self.g_weight, self.m_weight)
         if c.optimizer == "muon":
-            self.sgd_weight = (f(R.W_FC_WEIGHT, R.W_FIRST_CONV), f(R.G_FC_WEIGHT, R.G_FIRST_CONV),
+            self.sgd_weight = (f(R.W_FC_WEIGHT, R.W_FIRST_CONV), f(g[K.FC_WEIGHT], g[K.FIRST_CONV]),
                                f(R.M_FC_WEIGHT, R.M_FIRST_CONV))
             base = plan.base[R.W_DEEP_CONV]
             convs = [((t.offset - base) // 4, t.shape[0], t.numel // t.shape[0])
                      for t in plan.regions[R.W_DEEP_CONV]]
-            self.muon = MuonUpdate(f(R.W_DEEP_CONV), f(R.G_DEEP_CONV), f(R.M_DEEP_CONV), convs,
+            self.muon = MuonUpdate(f(R.W_DEEP_CONV), f(g[K.DEEP_CONV]), f(R.M_DEEP_CONV), convs,
                                    newton_schulz_steps)
         if c.has_second_moment:
             self.v_bias, self.v_weight = f(R.V_BN_BIAS, R.V_FC_BIAS), f(R.V_FC_WEIGHT, R.V_DEEP_CONV)
         if c.amp:
             self.a_weight = f(R.A_FC_WEIGHT, R.A_DEEP_CONV)
-            self.g16_weight = f(R.G_FC_WEIGHT_FP16, R.G_DEEP_CONV_FP16)
         if c.ema:
             self.e_all, self.e_weight = f(R.E_BN_BIAS, R.E_DEEP_CONV), f(R.E_FC_WEIGHT, R.E_DEEP_CONV)
             self.e16_weight = f(R.E_FC_WEIGHT_FP16, R.E_DEEP_CONV_FP16) if c.amp else None
@@ -116,25 +120,29 @@ class RangeOps:
     def clear_grads(self):
         self.g_all.zero_()
         if self.config.amp:
-            self.g16_weight.zero_()
+            self.g_weight.zero_()
 
     def grad_scaling(self):
-        """GRAD_SCALING under AMP, CHECK_NAN without: bring gradients to fp32 at unit scale,
-        raise OVERFLOW if any is not finite (that step's update is then skipped) and, for
-        fp16, move the dynamic loss scale. All on the device: the host never waits."""
+        """GRAD_SCALING under AMP, CHECK_NAN without: raise OVERFLOW if any gradient is not
+        finite (that step's update is then skipped) and bring the bias block's to unit scale;
+        the weight block's are unscaled by the update as it reads them (g_scale). The
+        update then moves the dynamic loss scale. All on the device: the host never waits."""
         s, found = self.s, self.s[B.OVERFLOW]
         found.zero_()
         if self.config.amp:
-            inv = 1.0 / s[B.LOSS_SCALE]
-            self.k.unscale_(self.g16_weight, self.g_weight, inv, found)
-            self.k.unscale_(self.g_bias, self.g_bias, inv, found)
+            self.k.unscale_(self.g_bias, self.g_bias, 1.0 / s[B.LOSS_SCALE], found)
+            # a finite half gradient stays finite times the inverse scale
+            self.k.check_finite_(self.g_weight, found)
         else:
             self.k.check_finite_(self.g_all, found)
         if self.shard is not None:
             self.shard.agree_on_overflow(found)
-        if self.dynamic_scale:
-            self._update_scale()
         s[B.OPT_STEP].add_(1 - found.to(torch.int32))
+
+    def g_scale(self) -> torch.Tensor | None:
+        """What the weight block's gradients are multiplied by as the update reads them: the
+        inverse of the loss scale they were computed with, under AMP."""
+        return 1.0 / self.s[B.LOSS_SCALE] if self.config.amp else None
 
     def _update_scale(self):
         s = self.s
@@ -165,26 +173,34 @@ class RangeOps:
                     x.copy_(torch.where(done, k, x))
 
     def update(self):
-        """UPDATE_BIAS_* then UPDATE_WEIGHT_* for the configured optimizer. Muon updates the
-        deep convs; the bias block, the FC weight and the first conv take Nesterov SGD."""
+        """UPDATE_BIAS_* then UPDATE_WEIGHT_* for the configured optimizer, then the dynamic
+        loss scale moves: the update has unscaled with the scale of this step."""
         if self.shard is not None:
-            return self.shard.update(self)
+            self.shard.update(self)
+        else:
+            self._update_blocks()
+        if self.dynamic_scale:
+            self._update_scale()
+
+    def _update_blocks(self):
+        """Muon updates the deep convs; the bias block, the FC weight and the first conv take
+        Nesterov SGD."""
         s, opt, skip = self.s, self.config.optimizer, self.s[B.OVERFLOW]
-        mu = s[B.MOMENTUM]
-        blocks = ((self.w_bias, self.g_bias, self.m_bias, s[B.LR_BIAS], s[B.WEIGHT_DECAY_BIAS], "v_bias"),
-                  (*self.sgd_weight, s[B.LR_WEIGHT], s[B.WEIGHT_DECAY], "v_weight"))
+        mu, g_scale = s[B.MOMENTUM], self.g_scale()
+        blocks = ((self.w_bias, self.g_bias, self.m_bias, s[B.LR_BIAS], s[B.WEIGHT_DECAY_BIAS], "v_bias", None),
+                  (*self.sgd_weight, s[B.LR_WEIGHT], s[B.WEIGHT_DECAY], "v_weight", g_scale))
         if opt == "muon":
-            self.muon(s[B.LR_MUON], s[B.MUON_MOMENTUM], skip)
-        for i, (w, g, m, lr, wd, v) in enumerate(blocks):
+            self.muon(s[B.LR_MUON], s[B.MUON_MOMENTUM], skip, g_scale)
+        for i, (w, g, m, lr, wd, v, gs) in enumerate(blocks):
             if opt in ("adam", "adamw"):
                 self.k.adam_(w, g, m, getattr(self, v), lr, wd, s[B.BETA1], s[B.BETA2], s[B.EPS],
-                             s[B.OPT_STEP], skip, opt == "adamw")
+                             s[B.OPT_STEP], skip, opt == "adamw", gs)
             elif opt == "lars" and i == 1:
-                self.k.lars_(w, g, m, self.norms, self.chunk_segment, lr, wd, mu, s[B.LARS_ETA], skip)
+                self.k.lars_(w, g, m, self.norms, self.chunk_segment, lr, wd, mu, s[B.LARS_ETA], skip, gs)
             elif opt == "lars":
                 self.k.lars_bias_(w, g, m, lr, wd, mu, skip)
             else:
-                self.k.sgd_(w, g, m, lr, wd, mu, skip, opt in ("nesterov", "muon"))
+                self.k.sgd_(w, g, m, lr, wd, mu, skip, opt in ("nesterov", "muon"), gs)
 
     def ema(self):
         """EMA_PARAM_UPDATE every ema_every steps (decay raised to that power); with
