@@ -52,3 +52,26 @@ def test_amp_model_matches_fp32_to_half_precision():
     model.eval()
     reference.eval()
     torch.testing.assert_close(model(x.half()).float(), reference(x), rtol=2e-2, atol=2e-2)
+
+
+def test_under_amp_the_first_conv_reads_the_padded_input_buffer_in_place():
+    """The input buffer holds 4 channels under AMP, the 4th zero; the first conv reads all
+    4 as they lie (a step on 3 of them would copy the batch) and computes what it computes
+    on the 3 real channels, gradients included."""
+    model = small_cnn()
+    plans, arena, _ = bound(model, amp=True)
+    slot = arena.view(plans.tensors["train_base"].input.data["A"], padded=True)
+    assert slot.shape[-1] == 4
+    slot[..., :3].copy_(torch.randn(slot[..., :3].shape))
+    x4 = slot.permute(0, 3, 1, 2)
+    x3 = x4[:, :3].contiguous(memory_format=torch.channels_last)
+    y = torch.arange(len(x4)) % 5
+    grads = []
+    for x in (x4, x3):
+        model[0].weight.grad.zero_()
+        logits = model(x)
+        F.cross_entropy(logits.float(), y).backward()
+        grads.append((logits.detach().clone(), model[0].weight.grad.clone()))
+    assert grads[0][0].shape == (len(x4), 5)
+    for ours, packed in zip(*grads):
+        torch.testing.assert_close(ours, packed, rtol=0, atol=0)

@@ -35,7 +35,8 @@ class Program:
         self.forward = model if forward is None else forward
         self.arena, self.ops = arena, ops
         self.smoothing, self.tta_level, self.grad_sync = label_smoothing, tta_level, grad_sync
-        self.x = arena[tensors.input.data[buffer]]
+        # the whole input slot, channel padding included: the first conv reads it in place
+        self.x = arena.view(tensors.input.data[buffer], padded=True).permute(0, 3, 1, 2)
         self.y = arena[tensors.input.label[buffer]]
         self.mask = arena[tensors.input.mask[buffer]]
         s = ops.s
