@@ -57,7 +57,7 @@ def run_export(cfg: TrainConfig, run_dir: Path):
     from trainer.binding import bind
     from trainer.export import state_dict
     from trainer.setup import make_plans
-    model, plans = make_plans(cfg)
+    model, plans, _ = make_plans(cfg)
     arena = Arena(plans.main)
     tensors = plans.tensors[plans.variants[0].name]
     bind(model, tensors, arena)

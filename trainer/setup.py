@@ -37,7 +37,7 @@ def freeze_steps(cfg: TrainConfig, per_epoch: int) -> dict[str, int]:
 
 
 def make_variants(cfg: TrainConfig, world: int = 1) -> tuple[list[Variant], int]:
-    """The variants and the number of steps of the whole run, from the per-rank data size."""
+    """The variants and the training steps of a full epoch, from the per-rank data size."""
     train_size, val_size = dataset_sizes(cfg.data)
     t = cfg.trainer
     per_rank_train, per_rank_val = train_size // world, -(-val_size // world)
@@ -48,13 +48,15 @@ def make_variants(cfg: TrainConfig, world: int = 1) -> tuple[list[Variant], int]
     variants = derive_variants(per_rank_train, per_rank_val, t.batch_size, t.val_batch_size or t.batch_size,
                                cfg.data.resolution, t.lowres_resolution, t.lowres_epochs, t.drop_last,
                                late_freeze=any(freeze_steps(cfg, per_epoch).values()))
-    return variants, total_steps(t.epochs, per_epoch)
+    return variants, per_epoch
 
 
-def make_plans(cfg: TrainConfig, world: int = 1) -> tuple[nn.Module, Plans]:
+def make_plans(cfg: TrainConfig, world: int = 1) -> tuple[nn.Module, Plans, int]:
+    """The model, its plans and the training steps of a full epoch on each rank."""
     model = make_model(cfg)
-    variants, steps = make_variants(cfg, world)
-    return model, build_plans(model, plan_config(cfg, steps, world), variants, cfg.model.num_classes)
+    variants, per_epoch = make_variants(cfg, world)
+    steps = total_steps(cfg.trainer.epochs, per_epoch)
+    return model, build_plans(model, plan_config(cfg, steps, world), variants, cfg.model.num_classes), per_epoch
 
 
 @dataclass
@@ -79,14 +81,13 @@ def assemble(cfg: TrainConfig, device: torch.device, world: int = 1,
     """model -> plans -> arena -> bind -> range ops -> programs -> executor. `init_model`
     may change the model's initial values (data-dependent init) before they enter the arena."""
     t = cfg.trainer
-    model, plans = make_plans(cfg, world)
+    model, plans, per_epoch = make_plans(cfg, world)
     model.to(device)
     if init_model is not None:
         init_model(model)
     arena = Arena(plans.main, device)
     bind(model, plans.tensors[plans.variants[0].name], arena)
-    steps, per_epoch = plans.main.config.schedule_steps, steps_per_epoch(
-        dataset_sizes(cfg.data)[0] // world, t.batch_size, t.drop_last)
+    steps = plans.main.config.schedule_steps
     tensors = plans.tensors[plans.variants[0].name]
     freezes, late_frozen = [], []  # late: frozen after step 0, by the `_frozen` variants' programs
     for part, step in freeze_steps(cfg, per_epoch).items():
