@@ -130,7 +130,7 @@ class RangeOps:
         s, found = self.s, self.s[B.OVERFLOW]
         found.zero_()
         if self.config.amp:
-            self.k.unscale_(self.g_bias, self.g_bias, 1.0 / s[B.LOSS_SCALE], found)
+            self.k.unscale_(self.g_bias, self.g_bias, self.g_scale(), found)
             # a finite half gradient stays finite times the inverse scale
             self.k.check_finite_(self.g_weight, found)
         else:
@@ -140,8 +140,9 @@ class RangeOps:
         s[B.OPT_STEP].add_(1 - found.to(torch.int32))
 
     def g_scale(self) -> torch.Tensor | None:
-        """What the weight block's gradients are multiplied by as the update reads them: the
-        inverse of the loss scale they were computed with, under AMP."""
+        """Under AMP, the inverse of the loss scale this step's gradients were computed with:
+        GRAD_SCALING multiplies the bias block's by it, the update the weight block's as it
+        reads them."""
         return 1.0 / self.s[B.LOSS_SCALE] if self.config.amp else None
 
     def _update_scale(self):

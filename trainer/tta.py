@@ -8,9 +8,10 @@ def views(x: torch.Tensor, level: int) -> list[tuple[float, torch.Tensor]]:
     the mirrored pairs of two one-pixel translations (up-left and down-right).
 
     Every view of levels 1 and 2, x included, comes in one channels-last layout (copied
-    where it is not already): a compiled model specializes on strides, and the flipped,
-    the translated and the arena's own channel-padded layouts would each compile a graph
-    of their own."""
+    where it is not already): a compiled model specializes on strides, and the flipped
+    and the translated views, or an input in another layout, would each compile a graph
+    of their own. (The Program's input, the whole channel-padded slot, is channels-last
+    already, so it is not copied.)"""
     if level == 0:
         return [(1.0, x)]
     alike = lambda v: v.contiguous(memory_format=torch.channels_last)
