@@ -3,7 +3,8 @@
 #   bash bench/gpu_suite.sh tests kernels r50 r50b64 r18 cifar1 ...
 # Logs go to $OUT (or ./gpu_logs). The CIFAR sections read $CIFAR (default ../shared/data/cifar10-jpeg.tgz);
 # the cifar* sections and coldsetup run +experiment=$EXP (default cifar10_speed); cifar5c and cifarprobe
-# add the overrides in $ARGS; cifar5c names its sweep cifar5$TAG:
+# add the overrides in $ARGS; cifar5c names its sweep cifar5$TAG. r18c, r50compile and r50cdt
+# add $ARGS too and name their logs with $TAG:
 #   TAG=_freeze3 ARGS="trainer.stem_norm_freeze_epochs=3" bash bench/gpu_suite.sh cifar5c
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
@@ -24,7 +25,9 @@ for s in "$@"; do case $s in
   kernels) section kernels 120 python3 bench/kernels_bench.py;;
   r50) section r50 330 python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.optimizers=[momentum,lars,adamw]" hydra.run.dir=$OUT/r50;;
   r50nocompile) section r50nocompile 200 python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.baselines=[eager_bf16,eager_fp16]" "bench.optimizers=[momentum,lars,adamw]" hydra.run.dir=$OUT/r50nc;;
-  r50compile) section r50compile 300 python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.baselines=[eager_bf16,compile_bf16]" compile=true hydra.run.dir=$OUT/r50c;;
+  r50compile) section r50compile$TAG 300 python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.baselines=[eager_bf16,compile_bf16]" compile=true $ARGS hydra.run.dir=$OUT/r50c$TAG;;
+  r50cdt) section r50cdt$TAG 420 python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.baselines=[eager_bf16]" compile=true +compile_options.coordinate_descent_tuning=true $ARGS hydra.run.dir=$OUT/r50cdt$TAG;;
+  r50p) section r50p 240 python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.baselines=[eager_bf16]" compile=true bench.profile=10 hydra.run.dir=$OUT/r50p;;
   r50b64) section r50b64 120 python3 run.py mode=bench $R50 trainer.batch_size=64 "bench.baselines=[eager_bf16,eager_fp16]" hydra.run.dir=$OUT/r50b64;;
   r18) section r18 120 python3 run.py mode=bench model=resnet18_cifar data.resolution=32 amp=true trainer.batch_size=512 "bench.baselines=[eager_bf16,eager_fp16]" hydra.run.dir=$OUT/r18;;
   cifar1) section cifar1 180 python3 run.py +experiment=$EXP data.root=$CIFAR hydra.run.dir=$OUT/cifar1;;
@@ -32,7 +35,7 @@ for s in "$@"; do case $s in
   cifar5auto) c=false; grep -q '"val_top1"' $OUT/cifar1c/summary.json 2>/dev/null && c=true
           section cifar5 360 python3 run.py -m +experiment=$EXP compile=$c data.root=$CIFAR trainer.seed=0,1,2,3,4 hydra.sweep.dir=$OUT/cifar5
           python3 bench/seeds.py $OUT/cifar5;;
-  r18c) section r18c 200 python3 run.py mode=bench model=resnet18_cifar data.resolution=32 amp=true trainer.batch_size=512 "bench.baselines=[eager_bf16,eager_fp16]" compile=true hydra.run.dir=$OUT/r18c;;
+  r18c) section r18c$TAG 200 python3 run.py mode=bench model=resnet18_cifar data.resolution=32 amp=true trainer.batch_size=512 "bench.baselines=[eager_bf16,eager_fp16]" compile=true $ARGS hydra.run.dir=$OUT/r18c$TAG;;
   r50b64c) section r50b64c 200 python3 run.py mode=bench $R50 trainer.batch_size=64 "bench.baselines=[eager_bf16]" compile=true hydra.run.dir=$OUT/r50b64c;;
   cifar5c) section cifar5$TAG 420 python3 run.py -m +experiment=$EXP compile=true data.root=$CIFAR trainer.seed=0,1,2,3,4 $ARGS hydra.sweep.dir=$OUT/cifar5$TAG
           python3 bench/seeds.py $OUT/cifar5$TAG;;

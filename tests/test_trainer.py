@@ -298,6 +298,29 @@ def test_cutout_beyond_the_resident_small_images_is_refused(overrides):
         config(*overrides)
 
 
+def test_compile_options_reach_inductor_with_their_dotted_names():
+    """The compiled forward of every program runs under the options; nested groups arrive
+    with inductor's dotted names."""
+    from trainer.setup import assemble
+    cfg = config(*TINY, "compile=true", "+compile_options.coordinate_descent_tuning=true",
+                 "+compile_options.triton.persistent_reductions=false")
+    engine = assemble(cfg, torch.device("cpu"))
+    for program in engine.programs.values():
+        inductor = program.forward.get_compiler_config()
+        assert inductor["coordinate_descent_tuning"] is True and inductor["triton.persistent_reductions"] is False
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["+compile_options.coordinate_descent_tuning=true"], "only apply with compile=true"),
+    (["compile=true", "+compile_options.coordinate_descent_tunning=true"], "not an inductor setting"),
+    (["compile=true", "+compile_options.triton.nope=1"], "triton.nope: not an inductor setting"),
+    (["compile=true", "+compile_options.coordinate_descent_tuning=1"], "expects a bool"),
+])
+def test_a_wrong_compile_option_is_refused_before_set_up(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        config(*overrides)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the warning is for CPU runs")
 @pytest.mark.parametrize("amp,warned", [(["amp=true"], True), (["amp=true", "amp_dtype=bf16"], False), ([], False)])
 def test_fp16_on_the_cpu_is_warned_about(tmp_path, caplog, amp, warned):

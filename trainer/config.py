@@ -2,6 +2,7 @@
 key or a value of the wrong type fails at composition; validate() then rejects values
 that type-check but cannot work. Both end in one message and a non-zero exit."""
 from dataclasses import dataclass, field
+from typing import Any
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -139,6 +140,9 @@ class TrainConfig:
     graphs: bool = True  # on a GPU, replay captured CUDA graphs; false runs the same program eagerly
     kernels: str = "auto"  # auto | torch | triton: implementation of the range ops
     compile: bool = False  # run inductor on forward and backward inside the captured step
+    # inductor settings for compile=true, e.g. +compile_options.coordinate_descent_tuning=true
+    # (tunes each fused kernel's launch configuration: a faster step for a longer first compile)
+    compile_options: dict[str, Any] = field(default_factory=dict)
     device: str = "auto"  # auto | cpu | cuda
     checkpoint: str = ""  # eval / export: the checkpoint to read (default: the newest of the run)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -237,9 +241,36 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for name in cfg.bench.optimizers:
         if name not in OPTIMIZERS:
             raise ConfigError(f"bench.optimizers: {name!r} is not one of {', '.join(OPTIMIZERS)}")
+    _validate_compile_options(cfg)
     if cfg.schedule.name == "step" and not cfg.schedule.milestones:
         raise ConfigError("schedule=step needs schedule.milestones, e.g. [30,60,80]")
     return cfg
+
+
+def compile_options(cfg: TrainConfig) -> dict[str, Any]:
+    """compile_options as inductor names them: nested groups joined with dots, so that
+    +compile_options.triton.persistent_reductions=false reaches triton.persistent_reductions."""
+    def flat(options, prefix=""):
+        for key, value in options.items():
+            yield from flat(value, f"{prefix}{key}.") if isinstance(value, dict) else [(prefix + key, value)]
+    return dict(flat(cfg.compile_options))
+
+
+def _validate_compile_options(cfg: TrainConfig):
+    """Each key names an inductor setting and its value has that setting's type; inductor
+    would otherwise fail (or ignore it) only at the first compilation, after set-up."""
+    if cfg.compile_options and not cfg.compile:
+        raise ConfigError("compile_options only apply with compile=true; add compile=true or drop them")
+    from torch._inductor import config as inductor
+    settings = inductor.get_config_copy()
+    for key, value in compile_options(cfg).items():
+        if key not in settings:
+            raise ConfigError(f"compile_options.{key}: not an inductor setting (see torch/_inductor/config.py)")
+        default = settings[key]
+        kind = (int, float) if isinstance(default, float) else type(default)
+        if default is not None and not isinstance(value, kind):
+            raise ConfigError(f"compile_options.{key}={value!r}: inductor expects a {type(default).__name__} "
+                              f"(it is {default!r} now)")
 
 
 def freeze_epochs(cfg: TrainConfig) -> dict[str, float]:

@@ -8,7 +8,7 @@ from torch import nn
 from kernels import load as load_kernels
 from trainer.arena import Arena
 from trainer.binding import bind
-from trainer.config import TrainConfig, freeze_epochs, plan_config
+from trainer.config import TrainConfig, compile_options, freeze_epochs, plan_config
 from trainer.data import dataset_sizes
 from trainer.errors import ConfigError
 from trainer.executor import Executor
@@ -109,7 +109,7 @@ def assemble(cfg: TrainConfig, device: torch.device, world: int = 1,
     ops.set_ema_decay(cfg.ema_decay)
     grad_sync = grad_sync_factory(ops) if grad_sync_factory is not None else None
     # Inductor fuses forward and backward; the Executor captures its kernels in the step graph.
-    forward = torch.compile(model, dynamic=False) if cfg.compile else model
+    forward = torch.compile(model, dynamic=False, options=compile_options(cfg)) if cfg.compile else model
     programs = {(v.name, b): Program(v, b, model, plans.tensors[v.name], arena, ops, t.label_smoothing,
                                      cfg.data.tta, grad_sync, forward, tuple(late_frozen))
                 for v in plans.variants for b in BUFFERS}
