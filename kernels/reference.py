@@ -142,3 +142,14 @@ def crop_flip_normalize_(images, labels, table, mean, inv_std, out, out_label, o
     out_label.copy_(labels[idx])
     if out_mask is not None:
         out_mask.copy_(table[:, 4])
+
+
+# -- model ops ---------------------------------------------------------------------------
+def max_pool_backward(grad_out, x, kernel, stride, padding):
+    """The gradient of max_pool2d(x, kernel, stride, padding) (no dilation, floor mode)
+    from grad_out, from x alone: each window's maximum is found again (the first in
+    row-major order among equal ones, as max_pool2d's indices), so the forward pass need
+    not keep its int64 indices."""
+    aten = torch.ops.aten
+    indices = aten.max_pool2d_with_indices(x, kernel, stride, padding)[1]
+    return aten.max_pool2d_with_indices_backward(grad_out, x, kernel, stride, padding, [1, 1], False, indices)

@@ -317,3 +317,96 @@ def crop_flip_normalize_(images, labels, table, mean, inv_std, out, out_label, o
     _crop_flip_normalize_kernel[(len(table),)](images, labels, table, mean, inv_std, out, out_label, mask, h, w,
                                                C=out.shape[3], BLOCK=triton.next_power_of_2(h * w),
                                                HAS_MASK=out_mask is not None, ROW=TABLE_COLUMNS, num_warps=4)
+
+
+# -- model ops ---------------------------------------------------------------------------
+# A program covers POOL_PIXELS pixels x POOL_CHANNELS channels; the channels are the
+# fast axis of channels-last tensors, so each pixel's row is one wide access.
+POOL_PIXELS, POOL_CHANNELS = 32, 64
+
+
+@triton.jit
+def _pool_tile(n_pixels, C, POOL_PIXELS: tl.constexpr, POOL_CHANNELS: tl.constexpr):
+    p = tl.program_id(0) * POOL_PIXELS + tl.arange(0, POOL_PIXELS)
+    c = tl.program_id(1) * POOL_CHANNELS + tl.arange(0, POOL_CHANNELS)
+    return p, c, (p < n_pixels)[:, None] & (c < C)[None, :]
+
+
+@triton.jit
+def _max_pool_argmax_kernel(x_ptr, arg_ptr, C, H, W, OH, OW, sn, sc, sh, sw, n_out,
+                            KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+                            PH: tl.constexpr, PW: tl.constexpr,
+                            POOL_PIXELS: tl.constexpr, POOL_CHANNELS: tl.constexpr):
+    """Each window's maximum as its position in the window (kh * KW + kw), int8, in
+    (n, oh, ow, c) order. The scan keeps max_pool2d's rule: a value replaces the best so far
+    when greater, or NaN; the first of equal maxima stays."""
+    p, c, live = _pool_tile(n_out, C, POOL_PIXELS, POOL_CHANNELS)
+    n, oh, ow = p // (OH * OW), (p // OW) % OH, p % OW
+    base = x_ptr + n[:, None].to(tl.int64) * sn + c[None, :] * sc
+    best = tl.full((POOL_PIXELS, POOL_CHANNELS), float("-inf"), tl.float32)
+    arg = tl.full((POOL_PIXELS, POOL_CHANNELS), 0, tl.int32)
+    for i in tl.static_range(KH):
+        for j in tl.static_range(KW):
+            h, w = oh * SH - PH + i, ow * SW - PW + j
+            inside = live & ((h >= 0) & (h < H) & (w >= 0) & (w < W))[:, None]
+            v = tl.load(base + (h * sh + w * sw)[:, None], inside, other=float("-inf")).to(tl.float32)
+            take = inside & ((v > best) | (v != v))
+            best = tl.where(take, v, best)
+            arg = tl.where(take, i * KW + j, arg)
+    tl.store(arg_ptr + p[:, None].to(tl.int64) * C + c[None, :], arg.to(tl.int8), live)
+
+
+@triton.jit
+def _max_pool_scatter_kernel(g_ptr, arg_ptr, dx_ptr, C, H, W, OH, OW, gn, gc, gh, gw, sn, sc, sh, sw, n_in,
+                             KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+                             PH: tl.constexpr, PW: tl.constexpr,
+                             POOL_PIXELS: tl.constexpr, POOL_CHANNELS: tl.constexpr):
+    """Each input element's gradient: the sum, in fp32 and in increasing window order, of
+    grad_out over the windows whose maximum it is."""
+    p, c, live = _pool_tile(n_in, C, POOL_PIXELS, POOL_CHANNELS)
+    n, h, w = p // (H * W), (p // W) % H, p % W
+    acc = tl.zeros((POOL_PIXELS, POOL_CHANNELS), tl.float32)
+    # the windows over row h are oh in (h + PH - KH) // SH + 1 .. (h + PH) // SH: at most ceil(KH / SH)
+    for a in tl.static_range((KH + SH - 1) // SH):
+        oh = (h + PH) // SH - ((KH + SH - 1) // SH - 1) + a
+        for b in tl.static_range((KW + SW - 1) // SW):
+            ow = (w + PW) // SW - ((KW + SW - 1) // SW - 1) + b
+            i, j = h + PH - oh * SH, w + PW - ow * SW  # the element's place in that window
+            window = (oh >= 0) & (oh < OH) & (ow >= 0) & (ow < OW) & (i < KH) & (j < KW)
+            mask = live & window[:, None]
+            o = (n * OH + oh) * OW + ow
+            arg = tl.load(arg_ptr + o[:, None].to(tl.int64) * C + c[None, :], mask, other=-1)
+            g = tl.load(g_ptr + (n.to(tl.int64) * gn + oh * gh + ow * gw)[:, None] + c[None, :] * gc, mask, other=0)
+            acc += tl.where(mask & (arg == (i * KW + j)[:, None]), g.to(tl.float32), 0.0)
+    tl.store(dx_ptr + (n.to(tl.int64) * sn + h * sh + w * sw)[:, None] + c[None, :] * sc,
+             acc.to(dx_ptr.dtype.element_ty), live)
+
+
+@torch.library.custom_op("trainer::max_pool_backward", mutates_args=())
+def max_pool_backward(grad_out: torch.Tensor, x: torch.Tensor, kernel: list[int], stride: list[int],
+                      padding: list[int]) -> torch.Tensor:
+    """kernels.reference.max_pool_backward in two passes: each window's maximum found again
+    as an int8 position, then every input element gathers grad_out from the windows whose
+    maximum it is. About 1.6 bytes of scratch per output element instead of the 8 of
+    max_pool2d's int64 indices, which the forward pass then need not keep. A custom op, so
+    that inductor calls it as it is inside a compiled backward."""
+    n, c, h, w = x.shape
+    oh, ow = grad_out.shape[2:]
+    assert max(kernel) <= 11 and len(kernel) == len(stride) == len(padding) == 2, "positions must fit in int8"
+    consts = dict(KH=kernel[0], KW=kernel[1], SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1],
+                  POOL_PIXELS=POOL_PIXELS, POOL_CHANNELS=POOL_CHANNELS, num_warps=4)
+    arg = torch.empty((n, oh, ow, c), dtype=torch.int8, device=x.device)
+    dx = torch.empty_like(x)
+    if x.numel() == 0:
+        return dx
+    channels = triton.cdiv(c, POOL_CHANNELS)
+    _max_pool_argmax_kernel[(triton.cdiv(n * oh * ow, POOL_PIXELS), channels)](
+        x, arg, c, h, w, oh, ow, *x.stride(), n * oh * ow, **consts)
+    _max_pool_scatter_kernel[(triton.cdiv(n * h * w, POOL_PIXELS), channels)](
+        grad_out, arg, dx, c, h, w, oh, ow, *grad_out.stride(), *dx.stride(), n * h * w, **consts)
+    return dx
+
+
+@max_pool_backward.register_fake
+def _(grad_out, x, kernel, stride, padding):
+    return torch.empty_like(x)

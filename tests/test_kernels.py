@@ -248,6 +248,69 @@ def test_crop_flip_normalize(dtype, channels, with_mask):
         assert all(torch.equal(r, t) for r, t in zip(ref, tri))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF])
+@pytest.mark.parametrize("kernel,stride,padding", [(3, 2, 1), (2, 2, 0), (3, 1, 1), (4, 3, 2), ((3, 2), (2, 1), (1, 0))])
+@pytest.mark.parametrize("channels_last", [True, False])
+def test_max_pool_backward(dtype, kernel, stride, padding, channels_last):
+    """Against max_pool2d's own backward, exactly: small integer values make ties in most
+    windows (the first maximum in row-major order takes the gradient), a NaN is a window's
+    maximum, odd sizes leave rows and columns no window covers (floor mode), 70 channels
+    fill one channel block and part of a second, and integer gradients sum exactly."""
+    pair = lambda v: [v, v] if isinstance(v, int) else list(v)
+    kernel, stride, padding = pair(kernel), pair(stride), pair(padding)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-2, 3, (3, 70, 11, 9), generator=g).to(dtype)
+    x[1, 5, 4, 4] = float("nan")
+    x = x.to(DEVICE, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    oh, ow = [(s + 2 * p - k) // st + 1 for s, p, k, st in zip(x.shape[2:], padding, kernel, stride)]
+    grad_out = torch.randint(-4, 5, (3, 70, oh, ow), generator=g).to(DEVICE, dtype)
+    ref, tri = (impl.max_pool_backward(grad_out, x, kernel, stride, padding) for impl in (reference, triton_ops))
+    assert torch.equal(tri, ref) and tri.stride() == x.stride()
+    assert ref.abs().sum() > 0
+
+
+@pytest.mark.parametrize("impl", [reference, triton_ops])
+def test_a_resnet_with_the_max_pool_kernel_keeps_its_gradients(impl):
+    """The stem pool swapped for the kernels' backward: the same logits and the same
+    gradient for every parameter as torchvision's model, whose pool keeps its indices."""
+    import copy
+
+    import torchvision
+
+    from trainer.pooling import MaxPool2d, use_max_pool_kernel
+    torch.manual_seed(0)
+    plain = torchvision.models.resnet18(num_classes=10).to(DEVICE, memory_format=torch.channels_last)
+    swapped = copy.deepcopy(plain)
+    assert use_max_pool_kernel(swapped, impl) == 1 and type(swapped.maxpool) is MaxPool2d
+    x = rand(2, 3, 32, 32).to(memory_format=torch.channels_last)
+    for model in (plain, swapped):
+        model(x).square().sum().backward()
+    torch.testing.assert_close(swapped(x), plain(x), rtol=0, atol=0)
+    for (name, p), q in zip(plain.named_parameters(), swapped.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="inductor compiles the backward around the kernel for the GPU")
+def test_the_max_pool_kernel_inside_a_compiled_backward():
+    """Inductor calls the custom op inside the compiled backward: the gradients of a
+    compiled model with the swapped pool are the eager model's."""
+    import copy
+
+    import torchvision
+
+    from trainer.pooling import use_max_pool_kernel
+    torch.manual_seed(0)
+    plain = torchvision.models.resnet18(num_classes=10).to(DEVICE, memory_format=torch.channels_last)
+    swapped = copy.deepcopy(plain)
+    use_max_pool_kernel(swapped, triton_ops)
+    x = rand(8, 3, 64, 64).to(memory_format=torch.channels_last)
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):  # the same rounding in both
+        plain(x).square().sum().backward()
+        torch.compile(swapped, dynamic=False)(x).square().sum().backward()
+    for (name, p), q in zip(plain.named_parameters(), swapped.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-3, atol=1e-3, msg=name)
+
+
 def test_every_reference_function_has_a_twin():
     public = {n for n, f in vars(reference).items() if callable(f) and not n.startswith("_")
               and f.__module__ == reference.__name__}

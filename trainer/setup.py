@@ -15,6 +15,7 @@ from trainer.executor import Executor
 from trainer.feeder import BUFFERS
 from trainer.models import build_model
 from trainer.planner import Plans, build_plans, freezable, frozen_tensors
+from trainer.pooling import use_max_pool_kernel
 from trainer.program import Program
 from trainer.range_ops import RangeOps
 from trainer.schedule import hyperparameters, lr_multipliers, steps_per_epoch, total_steps
@@ -99,7 +100,9 @@ def assemble(cfg: TrainConfig, device: torch.device, world: int = 1,
         else:  # frozen from the start: backward never computes its gradients
             module.requires_grad_(False)
     h = hyperparameters(cfg.optimizer, t.batch_size * world)
-    ops = RangeOps(plans.main, arena, load_kernels(cfg.kernels, device), bias_lr_scale=cfg.optimizer.bias_lr_scale,
+    kernels = load_kernels(cfg.kernels, device)
+    use_max_pool_kernel(model, kernels)
+    ops = RangeOps(plans.main, arena, kernels, bias_lr_scale=cfg.optimizer.bias_lr_scale,
                    ema_every=t.ema_every, ema_warmup_power=t.ema_warmup_power, lookahead=t.lookahead,
                    growth_interval=t.grad_scale_growth_interval, dynamic_scale=cfg.amp_dtype == "fp16",
                    freezes=freezes, muon_lr_scale=h.lr_muon / h.lr_weight if h.lr_weight else 0.0,
