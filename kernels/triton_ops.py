@@ -387,9 +387,9 @@ def max_pool_backward(grad_out: torch.Tensor, x: torch.Tensor, kernel: list[int]
                       padding: list[int]) -> torch.Tensor:
     """kernels.reference.max_pool_backward in two passes: each window's maximum found again
     as an int8 position, then every input element gathers grad_out from the windows whose
-    maximum it is. About 1.6 bytes of scratch per output element instead of the 8 of
-    max_pool2d's int64 indices, which the forward pass then need not keep. A custom op, so
-    that inductor calls it as it is inside a compiled backward."""
+    maximum it is. Its scratch is one byte per output element, for the backward only, where
+    max_pool2d keeps 8 (int64 indices) from the forward pass on. A custom op, so that
+    inductor calls it as it is inside a compiled backward."""
     n, c, h, w = x.shape
     oh, ow = grad_out.shape[2:]
     assert max(kernel) <= 11 and len(kernel) == len(stride) == len(padding) == 2, "positions must fit in int8"

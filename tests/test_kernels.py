@@ -256,8 +256,7 @@ def test_max_pool_backward(dtype, kernel, stride, padding, channels_last):
     windows (the first maximum in row-major order takes the gradient), a NaN is a window's
     maximum, odd sizes leave rows and columns no window covers (floor mode), 70 channels
     fill one channel block and part of a second, and integer gradients sum exactly."""
-    pair = lambda v: [v, v] if isinstance(v, int) else list(v)
-    kernel, stride, padding = pair(kernel), pair(stride), pair(padding)
+    kernel, stride, padding = ([v, v] if isinstance(v, int) else list(v) for v in (kernel, stride, padding))
     g = torch.Generator().manual_seed(0)
     x = torch.randint(-2, 3, (3, 70, 11, 9), generator=g).to(dtype)
     x[1, 5, 4, 4] = float("nan")

@@ -2,8 +2,8 @@
 key or a value of the wrong type fails at composition; validate() then rejects values
 that type-check but cannot work. Both end in one message and a non-zero exit."""
 from dataclasses import dataclass, field
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore

@@ -1,7 +1,7 @@
 """Max-pooling whose backward finds each window's maximum again from the pooled input
 (kernels' max_pool_backward) instead of reading the int64 indices that max_pool2d keeps.
 ResNet's stem pool (3x3, stride 2) pools a ReLU output that autograd keeps anyway; the
-indices are as large again as that fp16 input, and the backward that reads them, ATen's
+indices take as many bytes as that fp16 input, and the backward that reads them, ATen's
 or inductor's, took 1.6-1.8 ms of a 36-54 ms ResNet-50 step (docs/BENCHMARKS.md). The
 Triton kernel finds the maxima in one pass and scatters in a second; the torch reference
 recomputes the indices with max_pool2d."""
