@@ -310,6 +310,19 @@ def test_compile_options_reach_inductor_with_their_dotted_names():
         assert inductor["coordinate_descent_tuning"] is True and inductor["triton.persistent_reductions"] is False
 
 
+def test_set_up_gives_the_stem_pool_the_kernels_backward():
+    """ResNet's nn.MaxPool2d backward comes from the run's kernels (here the torch
+    reference), and the pooled input is all it keeps for it: no int64 indices."""
+    from kernels import reference
+    from trainer.pooling import MaxPool2d
+    from trainer.setup import assemble
+    model = assemble(config(*TINY, "model=resnet18", "data.resolution=32"), torch.device("cpu")).model
+    assert type(model.maxpool) is MaxPool2d and model.maxpool.backward_kernel is reference.max_pool_backward
+    x = torch.randn(2, 64, 16, 16, requires_grad=True)
+    y = model.maxpool(x)
+    assert [t.dtype for t in y.grad_fn.saved_tensors] == [torch.float32]
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["+compile_options.coordinate_descent_tuning=true"], "only apply with compile=true"),
     (["compile=true", "+compile_options.coordinate_descent_tunning=true"], "not an inductor setting"),
