@@ -1,6 +1,8 @@
 """Range-op kernels on one GPU: every Triton kernel against its torch reference over a
 ResNet-50-sized fp32 weight block (its parameters in their arena slots, 25.6M elements),
-and torch.optim.SGD(fused=True) with momentum over ResNet-50's own parameters for scale.
+and torch.optim.SGD(fused=True) with momentum over ResNet-50's own parameters for scale;
+then the max-pool backward at ResNet-50's stem (batch 256, fp16, channels-last) against
+ATen's, which reads the indices its forward kept.
 
     python bench/kernels_bench.py
 
@@ -148,6 +150,28 @@ def fused_sgd_ms(model):
     return median_ms(opt.step), 5 * 4 * sum(p.numel() for p in params)
 
 
+def max_pool_row():
+    """The max-pool backward at ResNet-50's stem: Triton's against ATen's (a sum of up to
+    four fp16 gradients may round differently: ATen on the CPU adds in fp16), and the two
+    timed; ATen's reads indices that its forward pass wrote (not timed here)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    x = torch.randn(256, 64, 112, 112, generator=gen, device=DEVICE).half().relu()
+    x = x.to(memory_format=torch.channels_last)
+    window = ([3, 3], [2, 2], [1, 1])
+    indices = torch.ops.aten.max_pool2d_with_indices(x, *window)[1]
+    grad = torch.randn(indices.shape, generator=gen, device=DEVICE).half().to(memory_format=torch.channels_last)
+
+    def aten():
+        return torch.ops.aten.max_pool2d_with_indices_backward(grad, x, *window, [1, 1], False, indices)
+
+    tri, ref = triton_ops.max_pool_backward(grad, x, *window), aten()
+    if not torch.equal(tri != 0, ref != 0) or not torch.allclose(tri, ref, rtol=2 ** -10, atol=2 ** -7):
+        raise AssertionError(f"max-pool backward: Triton differs from ATen (max rel err {max_rel_err(tri, ref):.2e})")
+    nbytes = 2 * x.numel() * 2 + grad.numel() * 2  # x read, dx written, grad read
+    return (nbytes, max_rel_err(tri, ref), median_ms(lambda: triton_ops.max_pool_backward(grad, x, *window)),
+            median_ms(aten))
+
+
 def main():
     if not torch.cuda.is_available():
         sys.exit("kernels_bench needs a CUDA GPU")
@@ -172,6 +196,9 @@ def main():
               f"{ref:9.3f} {gbps(nbytes, ref):6.0f} {ref / tri:7.1f}x")
     print(f"{'SGD fused (torch)':18s} {sgd_bytes / 1e6:6.0f} {'':11s} {'':9s} {'':6s} "
           f"{sgd_ms:9.3f} {gbps(sgd_bytes, sgd_ms):6.0f}   (torch.optim, {len(list(model.parameters()))} tensors)")
+    nbytes, err, tri, ref = max_pool_row()
+    print(f"{'max-pool backward':18s} {nbytes / 1e6:6.0f} {err:11.1e} {tri:9.3f} {gbps(nbytes, tri):6.0f} "
+          f"{ref:9.3f} {gbps(nbytes, ref):6.0f} {ref / tri:7.1f}x   (ResNet-50 b256 stem, fp16; torch: ATen's)")
 
 
 if __name__ == "__main__":
