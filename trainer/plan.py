@@ -319,15 +319,12 @@ class MemoryPlan:
         """Every family that mirrors the master weights holds, kind by kind, the same tensors
         with slots of the same element count, so flat ranges line up element by element."""
         c = self.config
-        roles = ["G"] + (["M"] if c.has_momentum else []) + (["V"] if c.has_second_moment else []) + (
-            ["E"] if c.ema else [])
-        half_roles = (["A", "G16"] if c.amp else []) + (["E16"] if c.amp and c.ema else []) + (
-            ["N"] if c.optimizer == "lars" else [])
         for kind in Kind:
             master = self.regions[FAMILY["W"][kind]]
-            half = kind in HALF_KINDS
-            for role in [r for r in roles if not (r == "G" and half and c.amp)] + (half_roles if half else []):
+            for role in ("G", "M", "V", "E") + (("A", "G16", "E16", "N") if kind in HALF_KINDS else ()):
                 region = FAMILY[role][kind]
+                if not c.enabled(region):  # this configuration has no such region
+                    continue
                 twins = self.regions[region]
                 if c.sharded(region):
                     self._validate_share(region, FAMILY["W"][kind])
