@@ -6,6 +6,8 @@
 # add the overrides in $ARGS; cifar5c names its sweep cifar5$TAG. r18c, r50compile and r50cdt
 # add $ARGS too and name their logs with $TAG:
 #   TAG=_freeze3 ARGS="trainer.stem_norm_freeze_epochs=3" bash bench/gpu_suite.sh cifar5c
+# disttests and r50dp need two GPUs (r50dp: one GPU, then two, then two with compile=true);
+# fusionprobe needs the nvidia-cudnn-frontend package (docs/BENCHMARKS.md, "Session I").
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 TAG=${TAG:-}; ARGS=${ARGS:-}; export EXP=${EXP:-cifar10_speed}
@@ -21,7 +23,13 @@ section() {  # name, timeout, command...
 for s in "$@"; do case $s in
   env) nvidia-smi -L; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.backends.cudnn.version())";;
   tests) section tests 240 python3 -m pytest -q tests/test_gpu.py tests/test_data_gpu.py tests/test_kernels.py -p no:cacheprovider;;
-  disttests) section disttests 180 python3 -m pytest -q -m gpu tests/test_dist.py -p no:cacheprovider;;
+  disttests) section disttests 300 python3 -m pytest -q -m gpu tests/test_dist.py -p no:cacheprovider;;
+  r50dp) for run in "1 false" "2 false" "2 true"; do set -- $run  # GPUs, compile
+          section r50dp$1$2 300 python3 -m torch.distributed.run --nproc_per_node=$1 run.py model=resnet50 data.resolution=224 \
+            amp=true compile=$2 trainer.batch_size=256 data.train_size=$(($1 * 256 * 12)) data.val_size=512 trainer.epochs=2 \
+            trainer.log_every=1 hydra.run.dir=$OUT/r50dp$1$2; done
+          python3 bench/throughput.py $OUT/r50dp1false $OUT/r50dp2false $OUT/r50dp2true;;
+  fusionprobe) section fusionprobe 540 python3 bench/fusion_probe.py 256;;
   kernels) section kernels 120 python3 bench/kernels_bench.py;;
   r50) section r50 330 python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.optimizers=[momentum,lars,adamw]" hydra.run.dir=$OUT/r50;;
   r50nocompile) section r50nocompile 200 python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.baselines=[eager_bf16,eager_fp16]" "bench.optimizers=[momentum,lars,adamw]" hydra.run.dir=$OUT/r50nc;;

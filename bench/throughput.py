@@ -1,0 +1,27 @@
+"""Steady training throughput of runs made with trainer.log_every=1: the median images/s
+over the last epoch's steps (its first step, which spans the epoch boundary and the
+evaluation, left out), and each run's ratio to the first run named.
+
+    python bench/throughput.py RUN_DIR_ONE_GPU RUN_DIR_TWO_GPUS ...
+"""
+import json
+import statistics
+import sys
+from pathlib import Path
+
+
+def steady(run_dir: Path) -> tuple[float, int, int]:
+    """(median images/s, steps it is taken over, world size) of one run."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "step" in r]
+    last = [r["images_per_s"] for r in steps if r["epoch"] == steps[-1]["epoch"]][1:]
+    return statistics.median(last), len(last), json.loads((run_dir / "summary.json").read_text())["world_size"]
+
+
+if __name__ == "__main__":
+    base = None
+    for name in sys.argv[1:]:
+        rate, count, world = steady(Path(name))
+        base = base or rate
+        print(f"{name}: {world} GPU(s), {rate:,.0f} images/s (median of {count} steps), "
+              f"{rate / base:.2f}x the first run, {rate / base / world:.1%} per GPU")
