@@ -2,7 +2,8 @@
 ResNet-50-sized fp32 weight block (its parameters in their arena slots, 25.6M elements),
 and torch.optim.SGD(fused=True) with momentum over ResNet-50's own parameters for scale;
 then the max-pool backward at ResNet-50's stem (batch 256, fp16, channels-last) against
-ATen's, which reads the indices its forward kept.
+ATen's, which reads the indices its forward kept, and BatchNorm's statistics and backward
+against inductor's.
 
     python bench/kernels_bench.py
 
@@ -141,6 +142,22 @@ def median_ms(step):
     return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
+def graph_ms(step, calls=10):
+    """Median ms of `step` replayed in a CUDA graph of `calls` calls, as the trainer runs it:
+    ops this short are otherwise timed at the host's launch rate."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(WARMUP):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            step()
+    return median_ms(graph.replay) / calls
+
+
 def fused_sgd_ms(model):
     """torch.optim.SGD(fused=True) with momentum over ResNet-50's parameter list."""
     params = [p.to(DEVICE).detach().requires_grad_() for p in model.parameters()]
@@ -172,6 +189,32 @@ def max_pool_row():
             median_ms(aten))
 
 
+def batch_norm_rows():
+    """BatchNorm's statistics and its backward (with the ReLU) at two of ResNet-50 b256's
+    activations (fp16, channels-last): Triton's against the torch reference as inductor
+    compiles it, which is what compile=true ran before trainer.norm; both timed inside CUDA
+    graphs, as the step runs them. Bytes: the statistics
+    read x once; backward reads x and grad_out twice (the sums, then the gradient) and
+    writes the gradient."""
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    compiled = {fn: torch.compile(getattr(reference, fn), dynamic=False)
+                for fn in ("batch_norm_stats", "batch_norm_backward")}
+    for c, hw in ((64, 56), (256, 56)):
+        x = (torch.randn(256, c, hw, hw, generator=gen, device=DEVICE) + 1).half().to(memory_format=torch.channels_last)
+        g = torch.randn(x.shape, generator=gen, device=DEVICE).half().to(memory_format=torch.channels_last)
+        mean, var = reference.batch_norm_stats(x.double())
+        invstd = torch.rsqrt(var + 1e-5).float()
+        weight, bias = torch.rand(c, device=DEVICE) + 0.5, torch.randn(c, device=DEVICE) * 0.1
+        args = {"batch_norm_stats": (x,), "batch_norm_backward": (g, x, mean.float(), invstd, weight, bias, True)}
+        for fn, nbytes in (("batch_norm_stats", 2 * x.numel()), ("batch_norm_backward", 10 * x.numel())):
+            truth = getattr(reference, fn)(*[a.double() if torch.is_tensor(a) else a for a in args[fn]])
+            err = max(max_rel_err(t.double(), r) for t, r in zip(getattr(triton_ops, fn)(*args[fn]), truth))
+            if err > 1e-2:
+                raise AssertionError(f"{fn}: Triton differs from the float64 reference by {err:.2e}")
+            yield (f"{fn[11:]} C={c}", nbytes, err, graph_ms(lambda: getattr(triton_ops, fn)(*args[fn])),
+                   graph_ms(lambda: compiled[fn](*args[fn])))
+
+
 def main():
     if not torch.cuda.is_available():
         sys.exit("kernels_bench needs a CUDA GPU")
@@ -199,6 +242,9 @@ def main():
     nbytes, err, tri, ref = max_pool_row()
     print(f"{'max-pool backward':18s} {nbytes / 1e6:6.0f} {err:11.1e} {tri:9.3f} {gbps(nbytes, tri):6.0f} "
           f"{ref:9.3f} {gbps(nbytes, ref):6.0f} {ref / tri:7.1f}x   (ResNet-50 b256 stem, fp16; torch: ATen's)")
+    for name, nbytes, err, tri, ref in batch_norm_rows():
+        print(f"{name:18s} {nbytes / 1e6:6.0f} {err:11.1e} {tri:9.3f} {gbps(nbytes, tri):6.0f} "
+              f"{ref:9.3f} {gbps(nbytes, ref):6.0f} {ref / tri:7.1f}x   (ResNet-50 b256, fp16; torch: inductor's)")
 
 
 if __name__ == "__main__":

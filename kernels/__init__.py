@@ -1,8 +1,10 @@
 """Range-op kernels: a torch reference (kernels.reference) and Triton twins
 (kernels.triton_ops) with the same functions, chosen by `kernels=auto|torch|triton`.
 The one input kernel (crop_flip_normalize_, for data resident on the device) lives here
-too, for the same reason: one launch where torch needs a dozen; and one model op,
-max_pool_backward (trainer/pooling.py), which reads what autograd keeps anyway."""
+too, for the same reason: one launch where torch needs a dozen; and the model ops
+max_pool_backward (trainer/pooling.py), which reads what autograd keeps anyway, and
+BatchNorm's batch_norm_stats and batch_norm_backward (trainer/norm.py), which reduce
+over channels-last activations at the device's bandwidth."""
 import importlib
 import os
 

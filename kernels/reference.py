@@ -153,3 +153,31 @@ def max_pool_backward(grad_out, x, kernel, stride, padding):
     aten = torch.ops.aten
     indices = aten.max_pool2d_with_indices(x, kernel, stride, padding)[1]
     return aten.max_pool2d_with_indices_backward(grad_out, x, kernel, stride, padding, [1, 1], False, indices)
+
+
+def _at_least_fp32(x):
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def batch_norm_stats(x):
+    """The training statistics of BatchNorm over (N, H, W): each channel's mean and
+    biased variance, in fp32 (or x's wider type)."""
+    var, mean = torch.var_mean(_at_least_fp32(x), dim=(0, 2, 3), correction=0)
+    return mean, var
+
+
+def batch_norm_backward(grad_out, x, mean, invstd, weight, bias, relu: bool):
+    """The gradients (x, weight, bias; fp32 for the two parameters) of training-mode
+    BatchNorm, y = x * scale + shift with scale = weight * invstd and shift = bias - mean *
+    scale from the batch's own statistics, followed by a ReLU when `relu`: the ReLU's mask
+    is found again from x, so the forward pass keeps only x and the statistics."""
+    x32, shape = _at_least_fp32(x), (1, -1, 1, 1)
+    scale = (weight * invstd).view(shape)
+    g = _at_least_fp32(grad_out)
+    if relu:
+        g = torch.where(x32 * scale + (bias.view(shape) - mean.view(shape) * scale) > 0, g, 0.0)
+    xhat = (x32 - mean.view(shape)) * invstd.view(shape)
+    count = x.numel() // x.shape[1]
+    grad_bias, grad_weight = g.sum((0, 2, 3)), (g * xhat).sum((0, 2, 3))
+    grad_x = scale * (g - (grad_bias.view(shape) + xhat * grad_weight.view(shape)) / count)
+    return grad_x.to(x.dtype), grad_weight, grad_bias

@@ -410,3 +410,159 @@ def max_pool_backward(grad_out: torch.Tensor, x: torch.Tensor, kernel: list[int]
 @max_pool_backward.register_fake
 def _(grad_out, x, kernel, stride, padding):
     return torch.empty_like(x)
+
+
+# BatchNorm over channels-last activations, seen as the (rows = N*H*W, C) matrix of their
+# layout. Tiles of 4096 elements, BN_CHANNELS wide at most, so that a tile row is one
+# access of up to 128 bytes. A reduction program sums its stretch of rows; the last
+# program of a channel block to finish adds up every stretch's partial sums, so each
+# reduction is one launch.
+BN_TILE, BN_CHANNELS = 4096, 64
+
+
+@triton.jit
+def _bn_reduce_kernel(x_ptr, g_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, part_ptr, count_ptr, out1_ptr, out2_ptr,
+                      M, C, rows, stretches, BACKWARD: tl.constexpr, RELU: tl.constexpr,
+                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Per channel, over the rows. Forward: the sums of x - x[0] and of its square (shifted
+    by the first row, against cancellation), finished as the mean and the biased variance.
+    Backward: the sums of dz and of dz * (x - mean), dz being grad_out where the ReLU (when
+    RELU) passed it, finished as the bias's and the weight's gradients."""
+    s, cb = tl.program_id(0), tl.program_id(1)
+    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    live = c < C
+    if BACKWARD:
+        center = tl.load(mean_ptr + c, live, other=0.0)
+        invstd = tl.load(invstd_ptr + c, live, other=0.0)
+        scale = tl.load(w_ptr + c, live, other=0.0) * invstd
+        shift = tl.load(b_ptr + c, live, other=0.0) - center * scale
+    else:
+        center = tl.load(x_ptr + c, live, other=0.0).to(tl.float32)
+    acc1 = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
+    acc2 = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
+    start = s * rows
+    end = tl.minimum(start + rows, M)
+    for r0 in range(start, end, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        mask = (r < end)[:, None] & live[None, :]
+        offs = r.to(tl.int64)[:, None] * C + c[None, :]
+        x = tl.load(x_ptr + offs, mask, other=0.0).to(tl.float32)
+        xc = tl.where(mask, x - center[None, :], 0.0)
+        if BACKWARD:
+            g = tl.load(g_ptr + offs, mask, other=0.0).to(tl.float32)
+            if RELU:
+                g = tl.where(x * scale[None, :] + shift[None, :] > 0, g, 0.0)
+            acc1 += g
+            acc2 += g * xc
+        else:
+            acc1 += xc
+            acc2 += xc * xc
+    tl.store(part_ptr + 2 * s * C + c, tl.sum(acc1, 0), live)
+    tl.store(part_ptr + (2 * s + 1) * C + c, tl.sum(acc2, 0), live)
+    tl.debug_barrier()  # every thread's partial sums are stored before the count moves
+    if tl.atomic_add(count_ptr + cb, 1, sem="acq_rel") == stretches - 1:
+        t1 = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
+        t2 = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
+        for p0 in range(0, stretches, BLOCK_R):
+            p = p0 + tl.arange(0, BLOCK_R)
+            mask = (p < stretches)[:, None] & live[None, :]
+            offs = (2 * p)[:, None] * C + c[None, :]
+            # from L2: other SMs wrote these
+            t1 += tl.load(part_ptr + offs, mask, other=0.0, cache_modifier=".cg")
+            t2 += tl.load(part_ptr + offs + C, mask, other=0.0, cache_modifier=".cg")
+        sum1, sum2 = tl.sum(t1, 0), tl.sum(t2, 0)
+        if BACKWARD:
+            tl.store(out1_ptr + c, sum1, live)
+            tl.store(out2_ptr + c, sum2 * invstd, live)
+        else:
+            d = sum1 / M
+            tl.store(out1_ptr + c, center + d, live)
+            tl.store(out2_ptr + c, tl.maximum(sum2 / M - d * d, 0.0), live)
+
+
+@triton.jit
+def _bn_backward_apply_kernel(x_ptr, g_ptr, dx_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, dbias_ptr, dweight_ptr,
+                              M, C, RELU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dx = scale * (dz - (sum dz + xhat * sum dz*xhat) / M), xhat = (x - mean) * invstd."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    live = c < C
+    mask = (r < M)[:, None] & live[None, :]
+    mean = tl.load(mean_ptr + c, live, other=0.0)[None, :]
+    invstd = tl.load(invstd_ptr + c, live, other=0.0)[None, :]
+    scale = tl.load(w_ptr + c, live, other=0.0)[None, :] * invstd
+    dbias = tl.load(dbias_ptr + c, live, other=0.0)[None, :]
+    dweight = tl.load(dweight_ptr + c, live, other=0.0)[None, :]
+    offs = r.to(tl.int64)[:, None] * C + c[None, :]
+    x = tl.load(x_ptr + offs, mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask, other=0.0).to(tl.float32)
+    if RELU:
+        shift = tl.load(b_ptr + c, live, other=0.0)[None, :] - mean * scale
+        g = tl.where(x * scale + shift > 0, g, 0.0)
+    xhat = (x - mean) * invstd
+    tl.store(dx_ptr + offs, (scale * (g - (dbias + xhat * dweight) / M)).to(dx_ptr.dtype.element_ty), mask)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """(N, C, H, W) as the (N*H*W, C) matrix of its channels-last layout (a view)."""
+    return x.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1).reshape(-1, x.shape[1])
+
+
+def _bn_reduce(x_rows, g_rows, mean, invstd, weight, bias, out1, out2, relu: bool, backward: bool):
+    """One launch of _bn_reduce_kernel: about four programs per SM, each over a stretch of
+    whole tiles."""
+    m, c = x_rows.shape
+    block_c = min(BN_CHANNELS, max(16, triton.next_power_of_2(c)))
+    block_r = BN_TILE // block_c
+    blocks = triton.cdiv(c, block_c)
+    sms = torch.cuda.get_device_properties(x_rows.device).multi_processor_count if x_rows.is_cuda else 4
+    stretches = max(1, min(triton.cdiv(m, block_r), 4 * sms // blocks))
+    rows = triton.cdiv(triton.cdiv(m, stretches), block_r) * block_r
+    stretches = triton.cdiv(m, rows)
+    part = torch.empty((stretches, 2, c), dtype=torch.float32, device=x_rows.device)
+    count = torch.zeros(blocks, dtype=torch.int32, device=x_rows.device)
+    _bn_reduce_kernel[(stretches, blocks)](x_rows, g_rows, mean, invstd, weight, bias, part, count, out1, out2,
+                                           m, c, rows, stretches, BACKWARD=backward, RELU=relu,
+                                           BLOCK_R=block_r, BLOCK_C=block_c, num_warps=8)
+    return block_r, block_c, blocks
+
+
+@torch.library.custom_op("trainer::batch_norm_stats", mutates_args=())
+def batch_norm_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.reference.batch_norm_stats in one pass over x."""
+    rows = _rows(x)
+    mean = torch.empty(x.shape[1], dtype=torch.float32, device=x.device)
+    var = torch.empty_like(mean)
+    _bn_reduce(rows, rows, mean, mean, mean, mean, mean, var, relu=False, backward=False)
+    return mean, var
+
+
+@batch_norm_stats.register_fake
+def _(x):
+    return x.new_empty(x.shape[1], dtype=torch.float32), x.new_empty(x.shape[1], dtype=torch.float32)
+
+
+@torch.library.custom_op("trainer::batch_norm_backward", mutates_args=())
+def batch_norm_backward(grad_out: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor,
+                        weight: torch.Tensor, bias: torch.Tensor, relu: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kernels.reference.batch_norm_backward in two passes over x and grad_out: the sums,
+    then the input's gradient. A custom op, so that inductor calls it as it is inside a
+    compiled backward."""
+    x_rows, g_rows = _rows(x), _rows(grad_out)
+    grad_x = torch.empty_like(x, memory_format=torch.channels_last)
+    grad_weight = torch.empty(x.shape[1], dtype=torch.float32, device=x.device)
+    grad_bias = torch.empty_like(grad_weight)
+    weight, bias = weight.float().contiguous(), bias.float().contiguous()
+    block_r, block_c, blocks = _bn_reduce(x_rows, g_rows, mean, invstd, weight, bias, grad_bias, grad_weight,
+                                          relu=relu, backward=True)
+    _bn_backward_apply_kernel[(triton.cdiv(len(x_rows), block_r), blocks)](
+        x_rows, g_rows, _rows(grad_x), mean, invstd, weight, bias, grad_bias, grad_weight, len(x_rows),
+        x.shape[1], RELU=relu, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=8)
+    return grad_x, grad_weight, grad_bias
+
+
+@batch_norm_backward.register_fake
+def _(grad_out, x, mean, invstd, weight, bias, relu):
+    channels = x.new_empty(x.shape[1], dtype=torch.float32)
+    return torch.empty_like(x, memory_format=torch.channels_last), channels, torch.empty_like(channels)

@@ -35,6 +35,20 @@ def test_graph_replay_trains_like_eager(tmp_path, amp, optimizer):
     torch.testing.assert_close(results[0], results[1], rtol=2e-2 if amp == "amp=true" else 1e-3, atol=1e-3)
 
 
+def test_the_compiled_step_trains_like_the_eager_step(tmp_path):
+    """compile=true (inductor, and a ResNet's BatchNorms from the kernels with the blocks'
+    ReLUs folded into them) computes what compile=false computes: the weights after a few
+    AMP steps to rounding, and the folded evaluation, which must apply the folded ReLUs."""
+    results = []
+    for compile_ in ("compile=true", "compile=false"):
+        t = trainer_for(tmp_path / compile_, compile_, "model=resnet18_cifar", "data.resolution=16", "amp=true",
+                        "fold_bn=true", "trainer.epochs=1", "trainer.seed=3", train_size=256)
+        t.fit()
+        results.append((t.arena.flat(R.W_BN_BIAS, R.W_DEEP_CONV).cpu(), t.history[-1]["val_loss"]))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=2e-2, atol=1e-3)
+    assert results[0][1] == pytest.approx(results[1][1], rel=2e-2)
+
+
 def test_epoch_allocates_nothing_and_never_syncs(tmp_path):
     t = trainer_for(tmp_path, "amp=true", "ema=true", "trainer.epochs=3", "trainer.log_every=4")
     t.train_epoch(0)()  # first epoch: DALI and allocator warm up

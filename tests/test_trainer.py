@@ -323,6 +323,23 @@ def test_set_up_gives_the_stem_pool_the_kernels_backward():
     assert [t.dtype for t in y.grad_fn.saved_tensors] == [torch.float32]
 
 
+@pytest.mark.parametrize("compile_", [False, True])
+def test_set_up_gives_batch_norm_the_kernels_under_compile_only(compile_):
+    """With inductor to fuse the normalization, BatchNorm's statistics and backward come
+    from the run's kernels (here the torch reference) and the blocks' ReLUs are folded into
+    their BatchNorms; without it ATen's BatchNorm stays, which is faster in eager mode."""
+    from kernels import reference
+    from trainer.norm import BatchNorm2d, Bottleneck
+    from trainer.setup import assemble
+    model = assemble(config(*TINY, "model=resnet50", "data.resolution=32", f"compile={str(compile_).lower()}"),
+                     torch.device("cpu")).model
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert len(norms) == 53 and all((type(m) is BatchNorm2d) == compile_ for m in norms)
+    assert (type(model.layer1[0]) is Bottleneck) == compile_
+    if compile_:
+        assert model.bn1.relu and model.bn1.backward_kernel is reference.batch_norm_backward
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["+compile_options.coordinate_descent_tuning=true"], "only apply with compile=true"),
     (["compile=true", "+compile_options.coordinate_descent_tunning=true"], "not an inductor setting"),

@@ -66,13 +66,15 @@ class PaddedInputConv2d(nn.Conv2d):
 
 
 class FoldedForward:
-    """A BatchNorm folded for evaluation: x * scale + bias, from the W_EQ regions."""
+    """A BatchNorm folded for evaluation: x * scale + bias, from the W_EQ regions, then the
+    ReLU that a BatchNorm of trainer.norm applies after it."""
 
-    def __init__(self, scale: torch.Tensor, bias: torch.Tensor):
-        self.scale, self.bias = scale.view(1, -1, 1, 1), bias.view(1, -1, 1, 1)
+    def __init__(self, scale: torch.Tensor, bias: torch.Tensor, relu: bool):
+        self.scale, self.bias, self.relu = scale.view(1, -1, 1, 1), bias.view(1, -1, 1, 1), relu
 
     def __call__(self, x):
-        return torch.addcmul(self.bias.to(x.dtype), x, self.scale.to(x.dtype))
+        y = torch.addcmul(self.bias.to(x.dtype), x, self.scale.to(x.dtype))
+        return torch.relu(y) if self.relu else y
 
 
 def use_statistics(model: nn.Module, tensors: ModelTensors, arena: Arena, which: str):
@@ -86,7 +88,7 @@ def use_statistics(model: nn.Module, tensors: ModelTensors, arena: Arena, which:
         if isinstance(bn.__dict__.get("forward"), FoldedForward):
             del bn.forward
         if which == "folded":
-            bn.forward = FoldedForward(arena[s.eq_scale], arena[s.eq_bias])
+            bn.forward = FoldedForward(arena[s.eq_scale], arena[s.eq_bias], getattr(bn, "relu", False))
             continue
         mean, var = (s.next_mean, s.next_var) if which == "next" else (s.prev_mean, s.prev_var)
         bn.running_mean, bn.running_var = arena[mean], arena[var]

@@ -14,6 +14,7 @@ from trainer.errors import ConfigError
 from trainer.executor import Executor
 from trainer.feeder import BUFFERS
 from trainer.models import build_model
+from trainer.norm import use_batch_norm_kernels
 from trainer.planner import Plans, build_plans, freezable, frozen_tensors
 from trainer.pooling import use_max_pool_kernel
 from trainer.program import Program
@@ -102,6 +103,8 @@ def assemble(cfg: TrainConfig, device: torch.device, world: int = 1,
     h = hyperparameters(cfg.optimizer, t.batch_size * world)
     kernels = load_kernels(cfg.kernels, device)
     use_max_pool_kernel(model, kernels)
+    if cfg.compile:  # without inductor to fuse the normalization, ATen's BatchNorm is faster
+        use_batch_norm_kernels(model, kernels)
     ops = RangeOps(plans.main, arena, kernels, bias_lr_scale=cfg.optimizer.bias_lr_scale,
                    ema_every=t.ema_every, ema_warmup_power=t.ema_warmup_power, lookahead=t.lookahead,
                    growth_interval=t.grad_scale_growth_interval, dynamic_scale=cfg.amp_dtype == "fp16",

@@ -1,0 +1,104 @@
+"""BatchNorm whose statistics and backward come from the run's kernels, with the ReLU that
+follows it in a ResNet block folded in. Under compile=true inductor compiles BatchNorm's
+channel reductions (the statistics, and backward's sums) at about half the device's
+bandwidth; the kernels make each a single pass at full bandwidth, and backward finds the
+ReLU's mask again from the BatchNorm input it keeps anyway. The normalization itself stays
+plain torch, so that inductor fuses it with the ReLU and residual add around it
+(docs/BENCHMARKS.md, "Session I")."""
+import torch
+import torchvision
+from torch import nn
+from torch.nn import functional as F
+
+from trainer import models
+
+
+class _BatchNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, mean, invstd, relu, backward):
+        ctx.save_for_backward(x, weight, bias, mean, invstd)
+        ctx.relu, ctx.backward = relu, backward
+        scale = weight * invstd
+        shift = bias - mean * scale
+        y = x * scale.view(1, -1, 1, 1) + shift.view(1, -1, 1, 1)  # in fp32 for half x
+        y = torch.relu(y) if relu else y
+        # no .to() that changes nothing: torch 2.11 compiles a Function whose output is
+        # such an alias with every gradient zero
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, bias, mean, invstd = ctx.saved_tensors
+        grad_x, grad_weight, grad_bias = ctx.backward(grad_out, x, mean, invstd, weight, bias, ctx.relu)
+        return grad_x, grad_weight.to(weight.dtype), grad_bias.to(bias.dtype), None, None, None, None
+
+
+class BatchNorm2d(nn.BatchNorm2d):
+    """nn.BatchNorm2d (affine, running statistics with a momentum), then a ReLU when
+    `self.relu`. In training the statistics are `self.stats_kernel`'s and backward is
+    `self.backward_kernel`; in evaluation it is ATen's batch_norm."""
+    relu = False
+
+    def forward(self, x):
+        if not self.training:
+            y = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
+            return torch.relu(y) if self.relu else y
+        mean, var = self.stats_kernel(x.detach())
+        count = x.numel() // x.shape[1]
+        # as batch_norm updates them (the unbiased variance); nothing here needs grad
+        self.running_mean.lerp_(mean, self.momentum)
+        self.running_var.lerp_(var * (count / (count - 1)), self.momentum)
+        if self.num_batches_tracked is not None:  # the trainer's binding drops it: the step counts
+            self.num_batches_tracked.add_(1)
+        return _BatchNorm.apply(x, self.weight, self.bias, mean, torch.rsqrt(var + self.eps), self.relu,
+                                self.backward_kernel)
+
+
+class Bottleneck(torchvision.models.resnet.Bottleneck):
+    """torchvision's, with bn1 and bn2 applying the ReLU after them."""
+
+    def forward(self, x):
+        out = self.bn3(self.conv3(self.bn2(self.conv2(self.bn1(self.conv1(x))))))
+        return self.relu(out + (x if self.downsample is None else self.downsample(x)))
+
+
+class BasicBlock(torchvision.models.resnet.BasicBlock):
+    """torchvision's, with bn1 applying the ReLU after it."""
+
+    def forward(self, x):
+        out = self.bn2(self.conv2(self.bn1(self.conv1(x))))
+        return self.relu(out + (x if self.downsample is None else self.downsample(x)))
+
+
+class CifarBlock(models.BasicBlock):
+    """The CIFAR ResNet's block, with bn1 applying the ReLU after it."""
+
+    def forward(self, x):
+        return torch.relu(self.bn2(self.conv2(self.bn1(self.conv1(x)))) + self.shortcut(x))
+
+
+# block class -> (its fused twin, the BatchNorms whose ReLU the twin leaves to them)
+_FUSED = {torchvision.models.resnet.Bottleneck: (Bottleneck, ("bn1", "bn2")),
+          torchvision.models.resnet.BasicBlock: (BasicBlock, ("bn1",)),
+          models.BasicBlock: (CifarBlock, ("bn1",))}
+
+
+def use_batch_norm_kernels(model: nn.Module, kernels) -> int:
+    """Give the model's nn.BatchNorm2d modules the kernels' statistics and backward, and fold
+    each ReLU that a ResNet block (or torchvision's stem) applies right after one into it.
+    Returns how many BatchNorms."""
+    swapped = 0
+    for m in model.modules():
+        if type(m) is nn.BatchNorm2d and m.affine and m.track_running_stats and m.momentum is not None:
+            m.__class__, m.stats_kernel, m.backward_kernel = BatchNorm2d, kernels.batch_norm_stats, \
+                kernels.batch_norm_backward
+            swapped += 1
+    for m in model.modules():
+        twin, norms = _FUSED.get(type(m), (None, ()))
+        if twin is not None and all(type(getattr(m, n)) is BatchNorm2d for n in norms):
+            m.__class__ = twin
+            for n in norms:
+                getattr(m, n).relu = True
+    if type(model) is torchvision.models.ResNet and type(model.bn1) is BatchNorm2d and type(model.relu) is nn.ReLU:
+        model.bn1.relu, model.relu = True, nn.Identity()
+    return swapped
