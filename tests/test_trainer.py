@@ -2,6 +2,7 @@
 groups and the non-finite-loss paths."""
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -166,6 +167,18 @@ def test_nan_loss_stops_and_keeps_the_last_checkpoint(tmp_path, amp):
     for name, data in saved["regions"].items():
         if name.startswith("W_"):
             assert torch.isfinite(data.view(torch.float32)).all(), name
+
+
+def test_a_non_finite_validation_loss_is_named_and_training_goes_on(tmp_path, caplog):
+    """Statistics that make evaluation overflow (here a negative running variance) give one
+    warning that says what happened and what to change; the evaluation's row still comes."""
+    trained = train(tmp_path, "trainer.epochs=1")
+    trained.arena.flat(R.B_NEXT_VAR).fill_(-1.0)
+    with caplog.at_level("WARNING", logger="trainer"):
+        row = trained.evaluate()
+    assert math.isnan(row["val_loss"]) and 0 <= row["val_top1"] <= 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "validation loss is NaN" in warnings[0] and "optimizer.lr" in warnings[0]
 
 
 def test_folded_batchnorm_evaluates_like_batchnorm(tmp_path):

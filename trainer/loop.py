@@ -190,6 +190,12 @@ class Trainer:
             self.ops.sema_switch()
         self.dist.all_sum_(self.ops.s[B.VAL_SUMS])
         loss, top1, top5, count = self.arena.to_host_async(self.plans.main[B.VAL_SUMS]).get().tolist()
+        if not math.isfinite(loss) and self.dist.is_main:  # training goes on: its own loss is finite
+            log.warning("the validation loss is NaN or infinite although training's is not: evaluation, "
+                        "with the running BatchNorm statistics, overflowed%s. The weights diverged early or "
+                        "the statistics are not settled; lower optimizer.lr or add schedule.warmup_epochs",
+                        " in fp16 (amp_dtype=bf16 has fp32's range)" if self.cfg.amp and self.cfg.amp_dtype == "fp16"
+                        else "")
         return {"val_loss": loss / count, "val_top1": top1 / count, "val_top5": top5 / count}
 
     # -- the run ---------------------------------------------------------------------------
