@@ -10,7 +10,8 @@ from tests.helpers import serve
 from trainer.config import DataConfig, TrainConfig, TrainerConfig
 from trainer.data import build_sources
 from trainer.data.dali import IN_FLIGHT
-from trainer.data.synthetic import generate
+from trainer.data import gratings
+from trainer.data.synthetic import channel_stats, generate
 from trainer.models import FastNet
 
 CPU = torch.device("cpu")
@@ -25,6 +26,23 @@ def config(train_size=256, val_size=100, batch=32, val_batch=0, drop_last=True, 
 
 def denormalize(source, data: torch.Tensor) -> torch.Tensor:
     return data[..., :3].float() * torch.tensor(source.std) + torch.tensor(source.mean)
+
+
+def test_the_data_set_is_the_same_made_in_chunks_or_at_once(monkeypatch):
+    """Large images are made a chunk of images at a time; the noise continues one stream."""
+    chunked, labels = generate(50, 0, 48)  # 910 images of 48x48 a chunk: 50 in one
+    monkeypatch.setattr(gratings, "_CHUNK_PIXELS", 10 * 48 * 48)  # five chunks
+    assert np.array_equal(generate(50, 0, 48)[0], chunked)
+    monkeypatch.setattr(gratings, "_CHUNK_PIXELS", 1)  # one image a chunk
+    assert np.array_equal(generate(50, 0, 48)[0], chunked) and np.array_equal(generate(50, 0, 48)[1], labels)
+
+
+def test_channel_statistics_are_the_pixels_mean_and_deviation():
+    images, _ = generate(64, 0, 16)
+    mean, std = channel_stats(images)
+    pixels = images.reshape(-1, 3) / 255
+    np.testing.assert_allclose(mean, pixels.mean(0), rtol=1e-12)
+    np.testing.assert_allclose(std, pixels.std(0), rtol=1e-12)
 
 
 def test_val_batches_arrive_in_order_complete_and_in_place_with_a_slow_consumer():

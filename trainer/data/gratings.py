@@ -8,6 +8,7 @@ _AMPLITUDE = (0.28, 0.5)  # of the color swing, on a 0..1 scale
 _PERIOD = (4.0, 8.0)  # stripe period in pixels of a 16-pixel image; scales with the image
 ORIENTATIONS = np.array([0, np.pi / 2])  # horizontal and vertical stripes: each its own mirror image
 _RED_GREEN, _BLUE_YELLOW = np.array([1, -1, 0]) / np.sqrt(2), np.array([1, 1, -2]) / np.sqrt(6)
+_CHUNK_PIXELS = 2**21  # images are made this many pixels at a time, in float32: a few MB
 
 
 def hues(n: int) -> np.ndarray:
@@ -30,11 +31,18 @@ def gratings(theta: np.ndarray, hue: np.ndarray, rng: np.random.Generator, heigh
     phase = rng.uniform(0, 2 * np.pi, n)
     y = np.arange(height, dtype=np.float32)[None, :, None]
     x = np.arange(width, dtype=np.float32)[None, None, :]
-    k = (2 * np.pi / period).astype(np.float32)
-    wave = np.sin((k * np.cos(theta))[:, None, None] * x + (k * np.sin(theta))[:, None, None] * y
-                  + phase[:, None, None].astype(np.float32))
-    amplitude = (rng.uniform(*_AMPLITUDE, n)[:, None] * axis).astype(np.float32)
+    k = 2 * np.pi / period
+    kx, ky = ((k * f(theta)).astype(np.float32)[:, None, None] for f in (np.cos, np.sin))
+    phase = phase.astype(np.float32)[:, None, None]
+    amplitude = (rng.uniform(*_AMPLITUDE, n)[:, None] * axis).astype(np.float32)[:, None, None, :]
     background = rng.uniform(0.4, 0.6, (n, 1, 1, 3)).astype(np.float32)  # near gray, a faint cast
-    img = background + wave[..., None] * amplitude[:, None, None, :]
-    img += rng.standard_normal(img.shape, dtype=np.float32) * noise
-    return (np.clip(img, 0, 1) * 255).round().astype(np.uint8)
+    out = np.empty((n, height, width, 3), np.uint8)
+    # in chunks, so that 224x224 images are made at memory speed, not through GB of
+    # float64 temporaries; the noise is drawn in the order one draw would give
+    step = max(1, _CHUNK_PIXELS // (height * width))
+    for i in range(0, n, step):
+        s = slice(i, i + step)
+        img = background[s] + np.sin(kx[s] * x + ky[s] * y + phase[s])[..., None] * amplitude[s]
+        img += rng.standard_normal(img.shape, dtype=np.float32) * np.float32(noise)
+        out[s] = np.rint(np.clip(img, 0, 1, out=img) * np.float32(255))
+    return out
