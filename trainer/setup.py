@@ -14,7 +14,6 @@ from trainer.errors import ConfigError
 from trainer.executor import Executor
 from trainer.feeder import BUFFERS
 from trainer.models import build_model
-from trainer.norm import use_batch_norm_kernels
 from trainer.planner import Plans, build_plans, freezable, frozen_tensors
 from trainer.pooling import use_max_pool_kernel
 from trainer.program import Program
@@ -104,6 +103,7 @@ def assemble(cfg: TrainConfig, device: torch.device, world: int = 1,
     kernels = load_kernels(cfg.kernels, device)
     use_max_pool_kernel(model, kernels)
     if cfg.compile:  # without inductor to fuse the normalization, ATen's BatchNorm is faster
+        from trainer.norm import use_batch_norm_kernels  # imports torchvision, slow: only here
         use_batch_norm_kernels(model, kernels)
     ops = RangeOps(plans.main, arena, kernels, bias_lr_scale=cfg.optimizer.bias_lr_scale,
                    ema_every=t.ema_every, ema_warmup_power=t.ema_warmup_power, lookahead=t.lookahead,
