@@ -510,7 +510,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def _bn_reduce(x_rows, g_rows, mean, invstd, weight, bias, out1, out2, relu: bool, backward: bool):
     """One launch of _bn_reduce_kernel: about four programs per SM, each over a stretch of
-    whole tiles."""
+    whole tiles. The forward pass gives None for what only backward reads."""
     m, c = x_rows.shape
     block_c = min(BN_CHANNELS, max(16, triton.next_power_of_2(c)))
     block_r = BN_TILE // block_c
@@ -521,8 +521,8 @@ def _bn_reduce(x_rows, g_rows, mean, invstd, weight, bias, out1, out2, relu: boo
     stretches = triton.cdiv(m, rows)
     part = torch.empty((stretches, 2, c), dtype=torch.float32, device=x_rows.device)
     count = torch.zeros(blocks, dtype=torch.int32, device=x_rows.device)
-    _bn_reduce_kernel[(stretches, blocks)](x_rows, g_rows, mean, invstd, weight, bias, part, count, out1, out2,
-                                           m, c, rows, stretches, BACKWARD=backward, RELU=relu,
+    _bn_reduce_kernel[(stretches, blocks)](x_rows, _or(g_rows, x_rows), *(_or(t, out1) for t in (mean, invstd, weight, bias)),
+                                           part, count, out1, out2, m, c, rows, stretches, BACKWARD=backward, RELU=relu,
                                            BLOCK_R=block_r, BLOCK_C=block_c, num_warps=8)
     return block_r, block_c, blocks
 
@@ -533,7 +533,7 @@ def batch_norm_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows = _rows(x)
     mean = torch.empty(x.shape[1], dtype=torch.float32, device=x.device)
     var = torch.empty_like(mean)
-    _bn_reduce(rows, rows, mean, mean, mean, mean, mean, var, relu=False, backward=False)
+    _bn_reduce(rows, None, None, None, None, None, mean, var, relu=False, backward=False)
     return mean, var
 
 
