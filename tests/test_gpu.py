@@ -122,3 +122,7 @@ def test_the_profile_sees_the_kernels_inside_the_step_graph():
     profiled = text.split("steps profiled:")[1]
     assert 0.3 < profile_share(profiled) < 1.2, profiled
     assert len(table_rows(profiled)) > 10, profiled  # the fast net's convolutions, its fused kernels, the range ops
+    kinds = table_rows(profiled.split("| kind |")[1])  # the same kernels again, summed by kind
+    total = float(table_rows(profiled)[next(k for k in table_rows(profiled) if k.startswith("all"))][1])
+    assert sum(float(v[1]) for v in kinds.values()) == pytest.approx(total, abs=0.01 * len(kinds))
+    assert {"convolution forward", "convolution dgrad", "range ops (kernels/)"} <= kinds.keys(), profiled

@@ -305,6 +305,24 @@ def test_bench_sets_our_step_beside_the_plain_loop_and_profiles_both():
         assert table_rows(profiled)["aten::convolution_backward"][0] == "7"  # the fast net's seven convolutions
 
 
+@pytest.mark.parametrize("name, kind", [  # kernels of ResNet-50's steps on an H200, as the profiler names them
+    ("sm90_xmma_dgrad_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc_tilesize128x128x64_warpgroup", "convolution dgrad"),
+    ("sm90_xmma_fprop_image_first_layer_f16f16_f32_f16_nhwckrsc_nhwc_hmma_k64c4r7s7_stride2x2_ti", "convolution forward"),
+    ("sm90_xmma_wgrad_indexed_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc_tilesize64x64x64_war", "convolution wgrad"),
+    ("void cutlass__5x_cudnn::Kernel<cutlass_tensorop_bf16_s16816fprop_optimized_bf16_256x64_32x", "convolution forward"),
+    ("nvjet_sm90_hsh_256x128_64x4_1x2_h_bz_coopA_TNT", "GEMM (cuBLAS, cuDNN)"),
+    ("triton_red_fused__native_batch_norm_legit_functional_add_native_batch_norm_backward_thresh", "inductor reductions"),
+    ("triton_poi_fused_add_threshold_backward_57", "inductor pointwise"),
+    ("_bn_reduce_kernel", "BatchNorm (kernels/)"), ("_max_pool_scatter_kernel", "max-pool (kernels/)"),
+    ("_sgd_kernel", "range ops (kernels/)"),
+    ("void at::native::batch_norm_backward_elemt_channels_last_kernel<4, c10::BFloat16, float, f", "ATen BatchNorm"),
+    ("void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat1", "ATen other"),
+    ("[CUDA memset]", "memset, memcpy")])
+def test_a_profiled_kernel_is_counted_under_its_kind(name, kind):
+    from trainer.bench import kernel_kind
+    assert kernel_kind(name) == kind
+
+
 @pytest.mark.parametrize("overrides", [["data.cutout=8"], ["data=imagefolder", "data.root=x", "data.cutout=8"]])
 def test_cutout_beyond_the_resident_small_images_is_refused(overrides):
     with pytest.raises(ConfigError, match="data.cutout"):

@@ -5,6 +5,7 @@ device memory (ours: and its arena's share), and time to first step (build, warm
 capture and one step); with bench.profile, where its step's time goes, kernel by kernel."""
 import copy
 import gc
+import re
 import statistics
 import time
 from dataclasses import dataclass
@@ -142,10 +143,26 @@ def _measure(cfg: TrainConfig, method: str, step, t0: float, device) -> Result:
                   profile(step, cfg.bench.profile, ms, device) if cfg.bench.profile else "")
 
 
+# A GPU kernel's kind, by the first pattern its name matches: cuDNN and cuBLAS name their
+# convolution kernels by pass (fprop, dgrad, wgrad; nvjet is cuBLAS's GEMM, which cuDNN
+# runs for some 1x1 convolutions in any pass), inductor names its Triton kernels by
+# reduction or pointwise, and the project's own kernels by their functions in kernels/.
+KINDS = (("convolution forward", "fprop|first_layer"), ("convolution dgrad", "dgrad"),
+         ("convolution wgrad", "wgrad|splitKreduce"), ("GEMM (cuBLAS, cuDNN)", "nvjet|gemm|cutlass|cublas|cudnn"),
+         ("BatchNorm (kernels/)", "_bn_"), ("max-pool (kernels/)", "_max_pool_"),
+         ("range ops (kernels/)", "_sgd_|_adam_|_lars_|_convert_|_ema_|_swap_"),
+         ("inductor reductions", "triton_red_|triton_per_"), ("inductor pointwise", "triton_poi_"),
+         ("ATen BatchNorm", "batch_norm"), ("ATen other", "at::native"), ("memset, memcpy", "(?i)memset|memcpy"))
+
+
+def kernel_kind(name: str) -> str:
+    return next((kind for kind, pattern in KINDS if re.search(pattern, name)), "other")
+
+
 def profile(step, steps: int, step_ms: float, device, rows: int = 25) -> str:
     """Where a step's time goes: its kernels (on a CPU, its operators) by their own time per
     step over `steps` steps, largest first, as a markdown table; the first row is what they
-    add up to against the measured step."""
+    add up to against the measured step. On a GPU a second table sums them by kind."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
     gpu = device.type == "cuda"
     with torch_profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as prof:
@@ -160,6 +177,15 @@ def profile(step, steps: int, step_ms: float, device, rows: int = 25) -> str:
     for e in events[:rows]:
         ms = own(e) / 1000 / steps
         lines.append(f"| {e.key[:90]} | {e.count / steps:g} | {ms:.3f} | {ms / step_ms:.1%} |")
+    if gpu:
+        kinds = {}
+        for e in events:
+            calls, us = kinds.get(kernel_kind(e.key), (0, 0))
+            kinds[kernel_kind(e.key)] = calls + e.count, us + own(e)
+        lines += ["", "| kind | calls/step | ms/step | share of the step |", "|---|---|---|---|"]
+        for kind, (calls, us) in sorted(kinds.items(), key=lambda kv: -kv[1][1]):
+            ms = us / 1000 / steps
+            lines.append(f"| {kind} | {calls / steps:g} | {ms:.3f} | {ms / step_ms:.1%} |")
     return "\n".join(lines)
 
 
