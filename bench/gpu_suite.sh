@@ -4,7 +4,7 @@
 # Logs go to $OUT (or ./gpu_logs). The CIFAR sections read $CIFAR (default ../shared/data/cifar10-jpeg.tgz);
 # the cifar* sections and coldsetup run +experiment=$EXP (default cifar10_speed); cifar5c and cifarprobe
 # add the overrides in $ARGS; cifar5c names its sweep cifar5$TAG. r18c, r50compile and r50cdt
-# add $ARGS too and name their logs with $TAG:
+# add $ARGS too and name their logs with $TAG (r50p too):
 #   TAG=_freeze3 ARGS="trainer.stem_norm_freeze_epochs=3" bash bench/gpu_suite.sh cifar5c
 # disttests and r50dp need two GPUs (r50dp: one GPU, then two, then two with compile=true);
 # fusionprobe needs the nvidia-cudnn-frontend package (docs/BENCHMARKS.md, "Session I").
@@ -31,11 +31,12 @@ for s in "$@"; do case $s in
           python3 bench/throughput.py $OUT/r50dp1false $OUT/r50dp2false $OUT/r50dp2true;;
   fusionprobe) section fusionprobe 540 python3 bench/fusion_probe.py 256;;
   kernels) section kernels 120 python3 bench/kernels_bench.py;;
+  bnsweep) section bnsweep 420 python3 bench/batch_norm_sweep.py;;
   r50) section r50 330 python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.optimizers=[momentum,lars,adamw]" hydra.run.dir=$OUT/r50;;
   r50nocompile) section r50nocompile 200 python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.baselines=[eager_bf16,eager_fp16]" "bench.optimizers=[momentum,lars,adamw]" hydra.run.dir=$OUT/r50nc;;
   r50compile) section r50compile$TAG 300 python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.baselines=[eager_bf16,compile_bf16]" compile=true $ARGS hydra.run.dir=$OUT/r50c$TAG;;
   r50cdt) section r50cdt$TAG 420 python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.baselines=[eager_bf16]" compile=true +compile_options.coordinate_descent_tuning=true $ARGS hydra.run.dir=$OUT/r50cdt$TAG;;
-  r50p) section r50p 240 python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.baselines=[eager_bf16]" compile=true bench.profile=10 hydra.run.dir=$OUT/r50p;;
+  r50p) section r50p$TAG 300 python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.baselines=[compile_bf16]" compile=true bench.profile=10 $ARGS hydra.run.dir=$OUT/r50p$TAG;;
   r50b64) section r50b64 120 python3 run.py mode=bench $R50 trainer.batch_size=64 "bench.baselines=[eager_bf16,eager_fp16]" hydra.run.dir=$OUT/r50b64;;
   r18) section r18 120 python3 run.py mode=bench model=resnet18_cifar data.resolution=32 amp=true trainer.batch_size=512 "bench.baselines=[eager_bf16,eager_fp16]" hydra.run.dir=$OUT/r18;;
   cifar1) section cifar1 180 python3 run.py +experiment=$EXP data.root=$CIFAR hydra.run.dir=$OUT/cifar1;;

@@ -7,6 +7,8 @@ loaded inside the kernels, so a captured CUDA graph replays with their current v
 Nothing here synchronizes with the host or allocates, so every function can be captured.
 Set TRITON_INTERPRET=1 before importing this module to run it on CPU tensors.
 """
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -413,11 +415,29 @@ def _(grad_out, x, kernel, stride, padding):
 
 
 # BatchNorm over channels-last activations, seen as the (rows = N*H*W, C) matrix of their
-# layout. Tiles of 4096 elements, BN_CHANNELS wide at most, so that a tile row is one
-# access of up to 128 bytes. A reduction program sums its stretch of rows; the last
-# program of a channel block to finish adds up every stretch's partial sums, so each
-# reduction is one launch.
-BN_TILE, BN_CHANNELS = 4096, 64
+# layout, in tiles of `elements`, `channels` wide at most (64 fp16 channels: a tile row is
+# one 128-byte access). A reduction program sums its stretch of rows; the last program of
+# a channel block to finish adds up every stretch's partial sums, so each reduction is one
+# launch of about `per_sm` programs per SM.
+class BnTiles(NamedTuple):
+    channels: int
+    elements: int
+    warps: int
+    per_sm: int = 0  # reductions only
+
+    def block(self, c: int) -> tuple[int, int]:
+        """(rows, channels) of a tile over c channels."""
+        block_c = min(self.channels, max(16, triton.next_power_of_2(c)))
+        return self.elements // block_c, block_c
+
+
+# Each pass's tiles, the fastest single choice over ResNet-50 b256's 53 BatchNorms on an
+# H200 (bench/batch_norm_sweep.py, docs/BENCHMARKS.md): 32 to 64 values per thread, few
+# programs per SM (more spill or wait), and 256-byte rows for the gradient, which has no
+# accumulators to keep.
+BN_STATS = BnTiles(channels=64, elements=8192, per_sm=2, warps=8)
+BN_SUMS = BnTiles(channels=64, elements=8192, per_sm=2, warps=4)
+BN_GRADIENT = BnTiles(channels=128, elements=8192, warps=4)
 
 
 @triton.jit
@@ -478,6 +498,7 @@ def _bn_reduce_kernel(x_ptr, g_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, part_ptr
             d = sum1 / M
             tl.store(out1_ptr + c, center + d, live)
             tl.store(out2_ptr + c, tl.maximum(sum2 / M - d * d, 0.0), live)
+        tl.store(count_ptr + cb, 0)  # every other program has counted: ready for the next launch
 
 
 @triton.jit
@@ -508,23 +529,34 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1).reshape(-1, x.shape[1])
 
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """The device's reduction counters, zeros between launches: each launch's last programs
+    set theirs back. Kept rather than zeroed per launch, which in a step of 53 BatchNorms
+    would be 106 more kernels; one stream runs the reductions, one at a time."""
+    if device not in _COUNTERS or len(_COUNTERS[device]) < n:
+        _COUNTERS[device] = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
+    return _COUNTERS[device]
+
+
 def _bn_reduce(x_rows, g_rows, mean, invstd, weight, bias, out1, out2, relu: bool, backward: bool):
-    """One launch of _bn_reduce_kernel: about four programs per SM, each over a stretch of
-    whole tiles. The forward pass gives None for what only backward reads."""
+    """One launch of _bn_reduce_kernel, each program over a stretch of whole tiles. The
+    forward pass gives None for what only backward reads."""
     m, c = x_rows.shape
-    block_c = min(BN_CHANNELS, max(16, triton.next_power_of_2(c)))
-    block_r = BN_TILE // block_c
+    tiles = BN_SUMS if backward else BN_STATS
+    block_r, block_c = tiles.block(c)
     blocks = triton.cdiv(c, block_c)
     sms = torch.cuda.get_device_properties(x_rows.device).multi_processor_count if x_rows.is_cuda else 4
-    stretches = max(1, min(triton.cdiv(m, block_r), 4 * sms // blocks))
+    stretches = max(1, min(triton.cdiv(m, block_r), tiles.per_sm * sms // blocks))
     rows = triton.cdiv(triton.cdiv(m, stretches), block_r) * block_r
     stretches = triton.cdiv(m, rows)
     part = torch.empty((stretches, 2, c), dtype=torch.float32, device=x_rows.device)
-    count = torch.zeros(blocks, dtype=torch.int32, device=x_rows.device)
+    count = _counters(x_rows.device, blocks)
     _bn_reduce_kernel[(stretches, blocks)](x_rows, _or(g_rows, x_rows), *(_or(t, out1) for t in (mean, invstd, weight, bias)),
                                            part, count, out1, out2, m, c, rows, stretches, BACKWARD=backward, RELU=relu,
-                                           BLOCK_R=block_r, BLOCK_C=block_c, num_warps=8)
-    return block_r, block_c, blocks
+                                           BLOCK_R=block_r, BLOCK_C=block_c, num_warps=tiles.warps)
 
 
 @torch.library.custom_op("trainer::batch_norm_stats", mutates_args=())
@@ -554,11 +586,11 @@ def batch_norm_backward(grad_out: torch.Tensor, x: torch.Tensor, mean: torch.Ten
     grad_weight = torch.empty(x.shape[1], dtype=torch.float32, device=x.device)
     grad_bias = torch.empty_like(grad_weight)
     weight, bias = weight.float().contiguous(), bias.float().contiguous()
-    block_r, block_c, blocks = _bn_reduce(x_rows, g_rows, mean, invstd, weight, bias, grad_bias, grad_weight,
-                                          relu=relu, backward=True)
-    _bn_backward_apply_kernel[(triton.cdiv(len(x_rows), block_r), blocks)](
+    _bn_reduce(x_rows, g_rows, mean, invstd, weight, bias, grad_bias, grad_weight, relu=relu, backward=True)
+    block_r, block_c = BN_GRADIENT.block(x.shape[1])
+    _bn_backward_apply_kernel[(triton.cdiv(len(x_rows), block_r), triton.cdiv(x.shape[1], block_c))](
         x_rows, g_rows, _rows(grad_x), mean, invstd, weight, bias, grad_bias, grad_weight, len(x_rows),
-        x.shape[1], RELU=relu, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=8)
+        x.shape[1], RELU=relu, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=BN_GRADIENT.warps)
     return grad_x, grad_weight, grad_bias
 
 
