@@ -37,16 +37,26 @@ def test_graph_replay_trains_like_eager(tmp_path, amp, optimizer):
 
 def test_the_compiled_step_trains_like_the_eager_step(tmp_path):
     """compile=true (inductor, and a ResNet's BatchNorms from the kernels with the blocks'
-    ReLUs folded into them) computes what compile=false computes: the weights after a few
-    AMP steps to rounding, and the folded evaluation, which must apply the folded ReLUs."""
-    results = []
+    ReLUs folded into them) computes what compile=false computes: one AMP step's update of
+    each weight region, and the folded evaluation, which must apply the folded ReLUs.
+    The classifier's update depends on the forward pass alone and agrees to 0.2% of its
+    norm. Deeper, this small net at 16x16 amplifies rounding: its BatchNorms over 2x2
+    maps flip ReLU masks, and the two steps' other updates differ by 6% of their norm in
+    fp32 (TF32 convolutions) and 10-11% under AMP, as much with the torch reference in
+    place of the Triton kernels; a gradient without its ReLU mask or with a wrong term is
+    off by about its whole size (tests/test_kernels.py checks them to 1e-9 in float64)."""
+    regions = (R.W_BN_BIAS, R.W_BN_WEIGHT, R.W_FC_WEIGHT, R.W_FIRST_CONV, R.W_DEEP_CONV)
+    updates, losses = [], []
     for compile_ in ("compile=true", "compile=false"):
         t = trainer_for(tmp_path / compile_, compile_, "model=resnet18_cifar", "data.resolution=16", "amp=true",
-                        "fold_bn=true", "trainer.epochs=1", "trainer.seed=3", train_size=256)
+                        "fold_bn=true", "trainer.epochs=1", "trainer.seed=3", train_size=64)
+        before = [t.arena.flat(r).float().cpu() for r in regions]
         t.fit()
-        results.append((t.arena.flat(R.W_BN_BIAS, R.W_DEEP_CONV).cpu(), t.history[-1]["val_loss"]))
-    torch.testing.assert_close(results[0][0], results[1][0], rtol=2e-2, atol=1e-3)
-    assert results[0][1] == pytest.approx(results[1][1], rel=2e-2)
+        updates.append([t.arena.flat(r).float().cpu() - b for r, b in zip(regions, before)])
+        losses.append(t.history[-1]["val_loss"])
+    off = {r: ((got - want).norm() / want.norm()).item() for r, got, want in zip(regions, *updates)}
+    assert off[R.W_FC_WEIGHT] < 0.01 and max(off.values()) < 0.2, off
+    assert losses[0] == pytest.approx(losses[1], rel=2e-2)
 
 
 def test_epoch_allocates_nothing_and_never_syncs(tmp_path):
