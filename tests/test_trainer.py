@@ -341,6 +341,20 @@ def test_compile_options_reach_inductor_with_their_dotted_names():
         assert inductor["coordinate_descent_tuning"] is True and inductor["triton.persistent_reductions"] is False
 
 
+def test_a_compiled_run_with_folded_evaluation_compiles_training_and_evaluation_once(tmp_path):
+    """Each evaluation swaps the folded BatchNorm in and out again. Under compile=true the
+    swapped-in forward must be the same object every time: a new one made inductor compile
+    the evaluation and then the training step again every epoch, and after eight compiles
+    the run went on uncompiled."""
+    from torch._dynamo.utils import counters
+
+    from trainer.loop import Trainer
+    torch._dynamo.reset()
+    Trainer(config(*TINY, "compile=true", "fold_bn=true", "trainer.epochs=2", "model=cifar_resnet20_narrow",
+                   "data.resolution=16"), tmp_path, Dist()).fit()
+    assert counters["frames"]["ok"] == 2  # the training step's forward, the evaluation's
+
+
 def test_set_up_gives_the_stem_pool_the_kernels_backward():
     """ResNet's nn.MaxPool2d backward comes from the run's kernels (here the torch
     reference), and the pooled input is all it keeps for it: no int64 indices."""

@@ -88,7 +88,12 @@ def use_statistics(model: nn.Module, tensors: ModelTensors, arena: Arena, which:
         if isinstance(bn.__dict__.get("forward"), FoldedForward):
             del bn.forward
         if which == "folded":
-            bn.forward = FoldedForward(arena[s.eq_scale], arena[s.eq_bias], getattr(bn, "relu", False))
+            # the same object each time: under compile=true the compiled evaluation holds on
+            # to it, and a new one would make each evaluation compile again (and after eight
+            # times, run uncompiled)
+            if "folded_forward" not in bn.__dict__:
+                bn.folded_forward = FoldedForward(arena[s.eq_scale], arena[s.eq_bias], getattr(bn, "relu", False))
+            bn.forward = bn.folded_forward
             continue
         mean, var = (s.next_mean, s.next_var) if which == "next" else (s.prev_mean, s.prev_var)
         bn.running_mean, bn.running_var = arena[mean], arena[var]
