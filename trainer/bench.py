@@ -143,16 +143,18 @@ def _measure(cfg: TrainConfig, method: str, step, t0: float, device) -> Result:
                   profile(step, cfg.bench.profile, ms, device) if cfg.bench.profile else "")
 
 
-# A GPU kernel's kind, by the first pattern its name matches: cuDNN and cuBLAS name their
-# convolution kernels by pass (fprop, dgrad, wgrad; nvjet is cuBLAS's GEMM, which cuDNN
-# runs for some 1x1 convolutions in any pass), inductor names its Triton kernels by
-# reduction or pointwise, and the project's own kernels by their functions in kernels/.
-KINDS = (("convolution forward", "fprop|first_layer"), ("convolution dgrad", "dgrad"),
-         ("convolution wgrad", "wgrad|splitKreduce"), ("GEMM (cuBLAS, cuDNN)", "nvjet|gemm|cutlass|cublas|cudnn"),
-         ("BatchNorm (kernels/)", "_bn_"), ("max-pool (kernels/)", "_max_pool_"),
-         ("range ops (kernels/)", "_sgd_|_adam_|_lars_|_convert_|_ema_|_swap_"),
-         ("inductor reductions", "triton_red_|triton_per_"), ("inductor pointwise", "triton_poi_"),
-         ("ATen BatchNorm", "batch_norm"), ("ATen other", "at::native"), ("memset, memcpy", "(?i)memset|memcpy"))
+# A GPU kernel's kind, by the first pattern its name matches: inductor names its Triton
+# kernels by reduction or pointwise, cuDNN and cuBLAS name their convolution kernels by
+# pass (fprop, dgrad, wgrad; nvjet is cuBLAS's GEMM, which cuDNN runs for some 1x1
+# convolutions in any pass), and the project's own kernels are their functions in kernels/.
+KINDS = (("inductor reductions", "^triton_(red|per)_"), ("inductor pointwise", "^triton_poi_"),
+         ("convolution forward", "fprop|first_layer"), ("convolution dgrad", "dgrad"),
+         ("convolution wgrad", "wgrad|splitKreduce"), ("BatchNorm (kernels/)", "_bn_(reduce|backward_apply)_kernel"),
+         ("max-pool (kernels/)", "_max_pool_(argmax|scatter)_kernel"),
+         ("range ops (kernels/)", "_(sgd|adam|lars|lars_norms|convert|ema|swap)_kernel"),
+         ("input augmentation (kernels/)", "_crop_flip_normalize_kernel"),
+         ("ATen, cuDNN BatchNorm", "batch_norm|bn_fw|bn_bw"), ("GEMM (cuBLAS, cuDNN)", "nvjet|gemm|cutlass|cublas|cudnn"),
+         ("ATen other", "at::native"), ("memset, memcpy", "(?i)memset|memcpy"))
 
 
 def kernel_kind(name: str) -> str:
