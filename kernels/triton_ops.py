@@ -530,14 +530,18 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+BN_MAX_BLOCKS = 4096  # channel blocks a reduction may have: 262,144 channels at 64 a block
 
 
 def _counters(device: torch.device, n: int) -> torch.Tensor:
     """The device's reduction counters, zeros between launches: each launch's last programs
     set theirs back. Kept rather than zeroed per launch, which in a step of 53 BatchNorms
-    would be 106 more kernels; one stream runs the reductions, one at a time."""
-    if device not in _COUNTERS or len(_COUNTERS[device]) < n:
-        _COUNTERS[device] = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
+    would be 106 more kernels; one stream runs the reductions, one at a time. Made once at
+    their largest: captured graphs keep their address."""
+    if n > BN_MAX_BLOCKS:
+        raise ValueError(f"BatchNorm over {n} channel blocks: the kernels count at most {BN_MAX_BLOCKS}")
+    if device not in _COUNTERS:
+        _COUNTERS[device] = torch.zeros(BN_MAX_BLOCKS, dtype=torch.int32, device=device)
     return _COUNTERS[device]
 
 

@@ -347,6 +347,17 @@ def test_batch_norm_stats(dtype, shape):
         assert (mean.double() - want_mean).abs().max() < 4e-6 and rel_err(var, want_var) < 1e-4
 
 
+def test_batch_norm_reductions_count_in_one_place_for_good():
+    """The reductions' counters stay where the first launch put them, however many channel
+    blocks a later one has: a captured graph replays with the address it was captured with."""
+    small, x = rand(2, 16, 3, 3), rand(2, 5000, 1, 3)  # 1 and 79 blocks of 64 channels
+    triton_ops.batch_norm_stats(small)
+    where = triton_ops._COUNTERS[small.device].data_ptr()
+    mean, var = triton_ops.batch_norm_stats(x)
+    assert triton_ops._COUNTERS[x.device].data_ptr() == where
+    assert (mean.double() - truth("batch_norm_stats", x)[0]).abs().max() < 1e-5
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF])
 @pytest.mark.parametrize("shape", BN_SHAPES)
 @pytest.mark.parametrize("relu", [False, True])
