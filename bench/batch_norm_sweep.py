@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.kernels_bench import graph_ms  # noqa: E402
+from bench.kernels_bench import batch_norm_inputs, graph_ms  # noqa: E402
 from kernels import reference, triton_ops  # noqa: E402
 
 # (channels, height = width): how many of ResNet-50's BatchNorms (torchvision's, the stride in
@@ -30,29 +30,20 @@ CONFIGS = [triton_ops.BnTiles(channels, elements, warps, per_sm) for channels, e
 
 
 def layers(c, hw, count, gen):
-    """`count` layers' inputs, gradients and statistics, each in its own memory: the step
+    """`count` layers' arguments to batch_norm_backward, each in its own memory: the step
     never finds a BatchNorm's input in L2."""
-    out = []
-    for _ in range(count):
-        x = (torch.randn(BATCH, c, hw, hw, generator=gen, device="cuda") + 1).half()
-        x = x.to(memory_format=torch.channels_last)
-        g = torch.randn(x.shape, generator=gen, device="cuda").half().to(memory_format=torch.channels_last)
-        mean, var = reference.batch_norm_stats(x.float())
-        out.append((x, g, mean, torch.rsqrt(var + 1e-5), torch.rand(c, device="cuda") + 0.5,
-                    torch.randn(c, device="cuda") * 0.1))
-    return out
+    return [batch_norm_inputs(c, hw, gen, BATCH) for _ in range(count)]
 
 
 def timed(impl, inputs):
     """ms of every layer's statistics, of their backward with the ReLU, and of backward's
     first pass alone (its sums; the gradient pass is the difference)."""
     def sums():
-        for x, g, m, s, w, b in inputs:
+        for g, x, m, s, w, b in inputs:
             triton_ops._bn_reduce(triton_ops._rows(x), triton_ops._rows(g), m, s, w, b, torch.empty_like(m),
                                   torch.empty_like(m), relu=True, backward=True)
-    stats = graph_ms(lambda: [impl.batch_norm_stats(x) for x, *_ in inputs], calls=2)
-    backward = graph_ms(lambda: [impl.batch_norm_backward(g, x, m, s, w, b, True) for x, g, m, s, w, b in inputs],
-                        calls=2)
+    stats = graph_ms(lambda: [impl.batch_norm_stats(x) for _, x, *_ in inputs], calls=2)
+    backward = graph_ms(lambda: [impl.batch_norm_backward(*args, True) for args in inputs], calls=2)
     first = graph_ms(sums, calls=2) if impl is triton_ops else 0.0
     return stats, first, backward - first
 

@@ -189,6 +189,17 @@ def max_pool_row():
             median_ms(aten))
 
 
+def batch_norm_inputs(c: int, hw: int, gen: torch.Generator, batch: int = 256):
+    """One BatchNorm's arguments to batch_norm_backward, but the ReLU flag, at ResNet-50's
+    activation shapes (fp16, channels-last, the input off zero): grad_out, x, the batch's
+    statistics (mean, invstd) and the affine weight and bias."""
+    x = (torch.randn(batch, c, hw, hw, generator=gen, device=DEVICE) + 1).half().to(memory_format=torch.channels_last)
+    g = torch.randn(x.shape, generator=gen, device=DEVICE).half().to(memory_format=torch.channels_last)
+    mean, var = reference.batch_norm_stats(x.double())
+    return (g, x, mean.float(), torch.rsqrt(var + 1e-5).float(), torch.rand(c, device=DEVICE) + 0.5,
+            torch.randn(c, device=DEVICE) * 0.1)
+
+
 def batch_norm_rows():
     """BatchNorm's statistics and its backward (with the ReLU) at two of ResNet-50 b256's
     activations (fp16, channels-last): Triton's against the torch reference as inductor
@@ -200,12 +211,8 @@ def batch_norm_rows():
     compiled = {fn: torch.compile(getattr(reference, fn), dynamic=False)
                 for fn in ("batch_norm_stats", "batch_norm_backward")}
     for c, hw in ((64, 56), (256, 56)):
-        x = (torch.randn(256, c, hw, hw, generator=gen, device=DEVICE) + 1).half().to(memory_format=torch.channels_last)
-        g = torch.randn(x.shape, generator=gen, device=DEVICE).half().to(memory_format=torch.channels_last)
-        mean, var = reference.batch_norm_stats(x.double())
-        invstd = torch.rsqrt(var + 1e-5).float()
-        weight, bias = torch.rand(c, device=DEVICE) + 0.5, torch.randn(c, device=DEVICE) * 0.1
-        args = {"batch_norm_stats": (x,), "batch_norm_backward": (g, x, mean.float(), invstd, weight, bias, True)}
+        g, x, *rest = batch_norm_inputs(c, hw, gen)
+        args = {"batch_norm_stats": (x,), "batch_norm_backward": (g, x, *rest, True)}
         for fn, nbytes in (("batch_norm_stats", 2 * x.numel()), ("batch_norm_backward", 10 * x.numel())):
             truth = getattr(reference, fn)(*[a.double() if torch.is_tensor(a) else a for a in args[fn]])
             err = max(max_rel_err(t.double(), r) for t, r in zip(getattr(triton_ops, fn)(*args[fn]), truth))

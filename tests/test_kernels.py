@@ -268,19 +268,25 @@ def test_max_pool_backward(dtype, kernel, stride, padding, channels_last):
     assert ref.abs().sum() > 0
 
 
+def resnet18_and_swapped(swap, kernels):
+    """A torchvision ResNet-18 (channels-last) and a copy changed by swap(copy, kernels),
+    with what swap returned."""
+    import copy
+
+    import torchvision
+    torch.manual_seed(0)
+    plain = torchvision.models.resnet18(num_classes=10).to(DEVICE, memory_format=torch.channels_last)
+    swapped = copy.deepcopy(plain)
+    return plain, swapped, swap(swapped, kernels)
+
+
 @pytest.mark.parametrize("impl", [reference, triton_ops])
 def test_a_resnet_with_the_max_pool_kernel_keeps_its_gradients(impl):
     """The stem pool swapped for the kernels' backward: the same logits and the same
     gradient for every parameter as torchvision's model, whose pool keeps its indices."""
-    import copy
-
-    import torchvision
-
     from trainer.pooling import MaxPool2d, use_max_pool_kernel
-    torch.manual_seed(0)
-    plain = torchvision.models.resnet18(num_classes=10).to(DEVICE, memory_format=torch.channels_last)
-    swapped = copy.deepcopy(plain)
-    assert use_max_pool_kernel(swapped, impl) == 1 and type(swapped.maxpool) is MaxPool2d
+    plain, swapped, swaps = resnet18_and_swapped(use_max_pool_kernel, impl)
+    assert swaps == 1 and type(swapped.maxpool) is MaxPool2d
     x = rand(2, 3, 32, 32).to(memory_format=torch.channels_last)
     for model in (plain, swapped):
         model(x).square().sum().backward()
@@ -293,13 +299,7 @@ def compiled_against_eager(swap):
     """A ResNet-18 and a copy changed by swap(copy, triton_ops) and compiled, each run
     forward and backward on one batch with the same cuDNN rounding: (plain, swapped, their
     logits)."""
-    import copy
-
-    import torchvision
-    torch.manual_seed(0)
-    plain = torchvision.models.resnet18(num_classes=10).to(DEVICE, memory_format=torch.channels_last)
-    swapped = copy.deepcopy(plain)
-    swap(swapped, triton_ops)
+    plain, swapped, _ = resnet18_and_swapped(swap, triton_ops)
     x = rand(8, 3, 64, 64).to(memory_format=torch.channels_last)
     logits = []
     with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):

@@ -182,8 +182,9 @@ def profile(step, steps: int, step_ms: float, device, rows: int = 25) -> str:
     if gpu:
         kinds = {}
         for e in events:
-            calls, us = kinds.get(kernel_kind(e.key), (0, 0))
-            kinds[kernel_kind(e.key)] = calls + e.count, us + own(e)
+            kind = kernel_kind(e.key)
+            calls, us = kinds.get(kind, (0, 0))
+            kinds[kind] = calls + e.count, us + own(e)
         lines += ["", "| kind | calls/step | ms/step | share of the step |", "|---|---|---|---|"]
         for kind, (calls, us) in sorted(kinds.items(), key=lambda kv: -kv[1][1]):
             ms = us / 1000 / steps
