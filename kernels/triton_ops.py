@@ -424,6 +424,8 @@ class BnTiles(NamedTuple):
     elements: int
     warps: int
     per_sm: int = 0  # reductions only
+    stages: int = 1  # reductions only: tiles in flight through shared memory (Triton's loop pipelining)
+    unroll: int = 1  # reductions only: loop iterations unrolled into one
 
     def block(self, c: int) -> tuple[int, int]:
         """(rows, channels) of a tile over c channels."""
@@ -443,7 +445,7 @@ BN_GRADIENT = BnTiles(channels=128, elements=8192, warps=4)
 @triton.jit
 def _bn_reduce_kernel(x_ptr, g_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, part_ptr, count_ptr, out1_ptr, out2_ptr,
                       M, C, rows, stretches, BACKWARD: tl.constexpr, RELU: tl.constexpr,
-                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr):
     """Per channel, over the rows. Forward: the sums of x - x[0] and of its square (shifted
     by the first row, against cancellation), finished as the mean and the biased variance.
     Backward: the sums of dz and of dz * (x - mean), dz being grad_out where the ReLU (when
@@ -462,7 +464,7 @@ def _bn_reduce_kernel(x_ptr, g_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, part_ptr
     acc2 = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
     start = s * rows
     end = tl.minimum(start + rows, M)
-    for r0 in range(start, end, BLOCK_R):
+    for r0 in tl.range(start, end, BLOCK_R, num_stages=STAGES, loop_unroll_factor=UNROLL):
         r = r0 + tl.arange(0, BLOCK_R)
         mask = (r < end)[:, None] & live[None, :]
         offs = r.to(tl.int64)[:, None] * C + c[None, :]
@@ -560,7 +562,8 @@ def _bn_reduce(x_rows, g_rows, mean, invstd, weight, bias, out1, out2, relu: boo
     count = _counters(x_rows.device, blocks)
     _bn_reduce_kernel[(stretches, blocks)](x_rows, _or(g_rows, x_rows), *(_or(t, out1) for t in (mean, invstd, weight, bias)),
                                            part, count, out1, out2, m, c, rows, stretches, BACKWARD=backward, RELU=relu,
-                                           BLOCK_R=block_r, BLOCK_C=block_c, num_warps=tiles.warps)
+                                           BLOCK_R=block_r, BLOCK_C=block_c, STAGES=tiles.stages, UNROLL=tiles.unroll,
+                                           num_warps=tiles.warps)
 
 
 @torch.library.custom_op("trainer::batch_norm_stats", mutates_args=())

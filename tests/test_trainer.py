@@ -6,6 +6,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -303,6 +304,16 @@ def test_bench_sets_our_step_beside_the_plain_loop_and_profiles_both():
     for profiled in text.split("steps profiled:")[1:]:
         assert 0.3 < profile_share(profiled) < 1.5
         assert table_rows(profiled)["aten::convolution_backward"][0] == "7"  # the fast net's seven convolutions
+
+
+def test_bench_profile_rows_sets_how_many_kernels_a_profile_lists():
+    from trainer import bench
+    cfg = config("mode=bench", "bench.steps=1", "bench.warmup=0", "bench.profile=1", "bench.profile_rows=2")
+    x = torch.randn(32, 32)
+    result = bench._measure(cfg, "matmuls", lambda: torch.relu(x @ x).softmax(0).sum(), time.perf_counter(),
+                            torch.device("cpu"))
+    header, total, *operators = table_rows(result.profile)
+    assert header == "operator" and total.startswith("all, against the measured") and len(operators) == 2
 
 
 @pytest.mark.parametrize("name, kind", [  # kernels of ResNet-50's steps on an H200, as the profiler names them

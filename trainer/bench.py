@@ -140,7 +140,7 @@ def _measure(cfg: TrainConfig, method: str, step, t0: float, device) -> Result:
     ms = statistics.median(_timed_steps(step, cfg.bench.steps, cfg.bench.warmup, device))
     peak = _peak_gib(device)  # before the profiler's own allocations
     return Result(method, ms, cfg.trainer.batch_size / ms * 1000, peak, first,
-                  profile(step, cfg.bench.profile, ms, device) if cfg.bench.profile else "")
+                  profile(step, cfg.bench.profile, ms, device, cfg.bench.profile_rows) if cfg.bench.profile else "")
 
 
 # A GPU kernel's kind, by the first pattern its name matches: inductor names its Triton

@@ -127,6 +127,7 @@ class BenchConfig:
     optimizers: list[str] = field(default_factory=lambda: ["momentum"])  # our step, once per optimizer
     out: str = ""  # also append the table to this markdown file
     profile: int = 0  # also profile this many steps of each method: where its time goes, kernel by kernel
+    profile_rows: int = 25  # the largest kernels (operators on a CPU) each profile lists
 
 
 @dataclass
@@ -182,7 +183,7 @@ _CHOICES = {
 }
 _POSITIVE = ("model.logit_scale", "trainer.epochs", "trainer.batch_size", "data.resolution", "data.num_classes", "trainer.log_every",
              "optimizer.eps", "trainer.grad_scale_init", "trainer.grad_scale_growth_interval",
-             "trainer.ema_every", "dist.deep_conv_buckets", "bench.steps", "optimizer.newton_schulz_steps")
+             "trainer.ema_every", "dist.deep_conv_buckets", "bench.steps", "bench.profile_rows", "optimizer.newton_schulz_steps")
 _NON_NEGATIVE = ("model.head_std", "optimizer.lr", "optimizer.muon_lr", "trainer.ema_warmup_power", "data.threads", "optimizer.weight_decay", "optimizer.bias_lr_scale", "optimizer.lars_eta",
                  "trainer.val_batch_size", "trainer.lowres_epochs", "trainer.checkpoint_every",
                  "trainer.stop_after_epoch", "schedule.warmup_epochs", "data.train_size", "data.val_size",
