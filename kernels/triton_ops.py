@@ -423,9 +423,8 @@ class BnTiles(NamedTuple):
     channels: int
     elements: int
     warps: int
-    per_sm: int = 0  # reductions only
-    stages: int = 1  # reductions only: tiles in flight through shared memory (Triton's loop pipelining)
-    unroll: int = 1  # reductions only: loop iterations unrolled into one
+    per_sm: int = 0  # programs per SM, each looping over row tiles; 0: one program a tile (gradient only)
+    stages: int = 1  # tiles in flight through shared memory (Triton's loop pipelining)
 
     def block(self, c: int) -> tuple[int, int]:
         """(rows, channels) of a tile over c channels."""
@@ -434,18 +433,17 @@ class BnTiles(NamedTuple):
 
 
 # Each pass's tiles, the fastest single choice over ResNet-50 b256's 53 BatchNorms on an
-# H200 (bench/batch_norm_sweep.py, docs/BENCHMARKS.md): 32 to 64 values per thread, few
-# programs per SM (more spill or wait), and 256-byte rows for the gradient, which has no
-# accumulators to keep.
-BN_STATS = BnTiles(channels=64, elements=8192, per_sm=2, warps=8)
-BN_SUMS = BnTiles(channels=64, elements=8192, per_sm=2, warps=4)
+# H200 (bench/batch_norm_sweep.py, docs/BENCHMARKS.md). The loads go through shared memory
+# three tiles ahead: a loop that waits for each tile moves 20% fewer bytes a second.
+BN_STATS = BnTiles(channels=64, elements=8192, warps=8, per_sm=2, stages=3)
+BN_SUMS = BnTiles(channels=64, elements=4096, warps=4, per_sm=2, stages=3)
 BN_GRADIENT = BnTiles(channels=128, elements=8192, warps=4)
 
 
 @triton.jit
 def _bn_reduce_kernel(x_ptr, g_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, part_ptr, count_ptr, out1_ptr, out2_ptr,
                       M, C, rows, stretches, BACKWARD: tl.constexpr, RELU: tl.constexpr,
-                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr):
+                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr):
     """Per channel, over the rows. Forward: the sums of x - x[0] and of its square (shifted
     by the first row, against cancellation), finished as the mean and the biased variance.
     Backward: the sums of dz and of dz * (x - mean), dz being grad_out where the ReLU (when
@@ -464,7 +462,7 @@ def _bn_reduce_kernel(x_ptr, g_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, part_ptr
     acc2 = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
     start = s * rows
     end = tl.minimum(start + rows, M)
-    for r0 in tl.range(start, end, BLOCK_R, num_stages=STAGES, loop_unroll_factor=UNROLL):
+    for r0 in tl.range(start, end, BLOCK_R, num_stages=STAGES):
         r = r0 + tl.arange(0, BLOCK_R)
         mask = (r < end)[:, None] & live[None, :]
         offs = r.to(tl.int64)[:, None] * C + c[None, :]
@@ -505,30 +503,38 @@ def _bn_reduce_kernel(x_ptr, g_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, part_ptr
 
 @triton.jit
 def _bn_backward_apply_kernel(x_ptr, g_ptr, dx_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, dbias_ptr, dweight_ptr,
-                              M, C, RELU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """dx = scale * (dz - (sum dz + xhat * sum dz*xhat) / M), xhat = (x - mean) * invstd."""
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+                              M, C, RELU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                              STAGES: tl.constexpr):
+    """dx = scale * (dz - (sum dz + xhat * sum dz*xhat) / M), xhat = (x - mean) * invstd,
+    over every num_programs(0)-th row tile from program_id(0) on."""
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     live = c < C
-    mask = (r < M)[:, None] & live[None, :]
     mean = tl.load(mean_ptr + c, live, other=0.0)[None, :]
     invstd = tl.load(invstd_ptr + c, live, other=0.0)[None, :]
     scale = tl.load(w_ptr + c, live, other=0.0)[None, :] * invstd
+    shift = tl.load(b_ptr + c, live, other=0.0)[None, :] - mean * scale
     dbias = tl.load(dbias_ptr + c, live, other=0.0)[None, :]
     dweight = tl.load(dweight_ptr + c, live, other=0.0)[None, :]
-    offs = r.to(tl.int64)[:, None] * C + c[None, :]
-    x = tl.load(x_ptr + offs, mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + offs, mask, other=0.0).to(tl.float32)
-    if RELU:
-        shift = tl.load(b_ptr + c, live, other=0.0)[None, :] - mean * scale
-        g = tl.where(x * scale + shift > 0, g, 0.0)
-    xhat = (x - mean) * invstd
-    tl.store(dx_ptr + offs, (scale * (g - (dbias + xhat * dweight) / M)).to(dx_ptr.dtype.element_ty), mask)
+    for t in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_R), tl.num_programs(0), num_stages=STAGES):
+        r = t * BLOCK_R + tl.arange(0, BLOCK_R)
+        mask = (r < M)[:, None] & live[None, :]
+        offs = r.to(tl.int64)[:, None] * C + c[None, :]
+        x = tl.load(x_ptr + offs, mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + offs, mask, other=0.0).to(tl.float32)
+        if RELU:
+            g = tl.where(x * scale + shift > 0, g, 0.0)
+        xhat = (x - mean) * invstd
+        tl.store(dx_ptr + offs, (scale * (g - (dbias + xhat * dweight) / M)).to(dx_ptr.dtype.element_ty), mask)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """(N, C, H, W) as the (N*H*W, C) matrix of its channels-last layout (a view)."""
     return x.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1).reshape(-1, x.shape[1])
+
+
+def _sms(x: torch.Tensor) -> int:
+    """The device's SMs (a CPU under Triton's interpreter: 4)."""
+    return torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -554,16 +560,14 @@ def _bn_reduce(x_rows, g_rows, mean, invstd, weight, bias, out1, out2, relu: boo
     tiles = BN_SUMS if backward else BN_STATS
     block_r, block_c = tiles.block(c)
     blocks = triton.cdiv(c, block_c)
-    sms = torch.cuda.get_device_properties(x_rows.device).multi_processor_count if x_rows.is_cuda else 4
-    stretches = max(1, min(triton.cdiv(m, block_r), tiles.per_sm * sms // blocks))
+    stretches = max(1, min(triton.cdiv(m, block_r), tiles.per_sm * _sms(x_rows) // blocks))
     rows = triton.cdiv(triton.cdiv(m, stretches), block_r) * block_r
     stretches = triton.cdiv(m, rows)
     part = torch.empty((stretches, 2, c), dtype=torch.float32, device=x_rows.device)
     count = _counters(x_rows.device, blocks)
     _bn_reduce_kernel[(stretches, blocks)](x_rows, _or(g_rows, x_rows), *(_or(t, out1) for t in (mean, invstd, weight, bias)),
                                            part, count, out1, out2, m, c, rows, stretches, BACKWARD=backward, RELU=relu,
-                                           BLOCK_R=block_r, BLOCK_C=block_c, STAGES=tiles.stages, UNROLL=tiles.unroll,
-                                           num_warps=tiles.warps)
+                                           BLOCK_R=block_r, BLOCK_C=block_c, STAGES=tiles.stages, num_warps=tiles.warps)
 
 
 @torch.library.custom_op("trainer::batch_norm_stats", mutates_args=())
@@ -595,9 +599,13 @@ def batch_norm_backward(grad_out: torch.Tensor, x: torch.Tensor, mean: torch.Ten
     weight, bias = weight.float().contiguous(), bias.float().contiguous()
     _bn_reduce(x_rows, g_rows, mean, invstd, weight, bias, grad_bias, grad_weight, relu=relu, backward=True)
     block_r, block_c = BN_GRADIENT.block(x.shape[1])
-    _bn_backward_apply_kernel[(triton.cdiv(len(x_rows), block_r), triton.cdiv(x.shape[1], block_c))](
+    tiles, blocks = triton.cdiv(len(x_rows), block_r), triton.cdiv(x.shape[1], block_c)
+    if BN_GRADIENT.per_sm:
+        tiles = max(1, min(tiles, BN_GRADIENT.per_sm * _sms(x) // blocks))
+    _bn_backward_apply_kernel[(tiles, blocks)](
         x_rows, g_rows, _rows(grad_x), mean, invstd, weight, bias, grad_bias, grad_weight, len(x_rows),
-        x.shape[1], RELU=relu, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=BN_GRADIENT.warps)
+        x.shape[1], RELU=relu, BLOCK_R=block_r, BLOCK_C=block_c, STAGES=BN_GRADIENT.stages,
+        num_warps=BN_GRADIENT.warps)
     return grad_x, grad_weight, grad_bias
 
 

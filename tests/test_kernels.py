@@ -361,9 +361,13 @@ def test_batch_norm_reductions_count_in_one_place_for_good():
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF])
 @pytest.mark.parametrize("shape", BN_SHAPES)
 @pytest.mark.parametrize("relu", [False, True])
-def test_batch_norm_backward(dtype, shape, relu):
+@pytest.mark.parametrize("gradient_tiles", [None, triton_ops.BnTiles(64, 256, 4, per_sm=1, stages=2)])
+def test_batch_norm_backward(dtype, shape, relu, gradient_tiles, monkeypatch):
     """The input's and both parameters' gradients against float64, with the ReLU's mask
-    found again from x (about half the elements are masked)."""
+    found again from x (about half the elements are masked); the gradient pass with one
+    program a tile (as set), or with one program a channel block looping over small tiles."""
+    if gradient_tiles is not None:
+        monkeypatch.setattr(triton_ops, "BN_GRADIENT", gradient_tiles)
     x = rand(*shape, dtype=dtype).to(memory_format=torch.channels_last)
     grad_out = rand(*shape, seed=1, dtype=dtype).to(memory_format=torch.channels_last)
     mean, var = truth("batch_norm_stats", x)
