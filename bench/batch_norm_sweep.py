@@ -7,7 +7,7 @@ trainer.norm).
     python bench/batch_norm_sweep.py [--inductor]
 
 The two reductions (the statistics; backward's sums) are swept over the same
-configurations, the gradient pass (no loop, one tile a program) over its own. Prints, per
+configurations, the gradient pass (no accumulators to keep) over its own. Prints, per
 shape, each configuration's ms, then the network's totals per pass: now, with the best
 configuration for each shape, and with the best single one.
 """
@@ -27,13 +27,9 @@ from kernels.triton_ops import BnTiles  # noqa: E402
 SHAPES = {(64, 112): 1, (64, 56): 6, (256, 56): 4, (128, 56): 1, (128, 28): 7, (512, 28): 5, (256, 28): 1,
           (256, 14): 11, (1024, 14): 7, (512, 14): 1, (512, 7): 5, (2048, 7): 4}
 BATCH = 256
-REDUCTIONS = [BnTiles(channels, elements, warps, per_sm, stages) for channels, elements, warps, per_sm, stages
-              in itertools.product((64, 128), (4096, 8192), (4, 8), (2, 3), (3, 4, 5))]
-# one program a tile, or a few per SM looping over tiles, with their loads pipelined
-GRADIENTS = [BnTiles(channels, elements, warps) for channels, elements, warps
-             in itertools.product((64, 128), (4096, 8192, 16384), (4, 8))] + \
-            [BnTiles(channels, elements, warps, per_sm, stages) for channels, elements, warps, per_sm, stages
-             in itertools.product((64, 128), (4096, 8192), (4, 8), (2, 4), (2, 3))]
+# configurations: every combination of (channels, elements, warps, programs per SM, stages)
+REDUCTIONS = [BnTiles(*t) for t in itertools.product((64, 128), (4096, 8192), (4, 8), (2, 3), (3, 4, 5))]
+GRADIENTS = [BnTiles(*t) for t in itertools.product((64, 128), (4096, 8192), (4, 8), (2, 4), (2, 3))]
 # pass -> (the triton_ops tiles it reads, the configurations it is swept over)
 PASSES = {"statistics": ("BN_STATS", REDUCTIONS), "sums": ("BN_SUMS", REDUCTIONS),
           "gradient": ("BN_GRADIENT", GRADIENTS)}

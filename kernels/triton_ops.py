@@ -423,8 +423,8 @@ class BnTiles(NamedTuple):
     channels: int
     elements: int
     warps: int
-    per_sm: int = 0  # programs per SM, each looping over row tiles; 0: one program a tile (gradient only)
-    stages: int = 1  # tiles in flight through shared memory (Triton's loop pipelining)
+    per_sm: int  # programs per SM (and channel block), each looping over row tiles
+    stages: int  # tiles in flight through shared memory (Triton's loop pipelining)
 
     def block(self, c: int) -> tuple[int, int]:
         """(rows, channels) of a tile over c channels."""
@@ -433,11 +433,12 @@ class BnTiles(NamedTuple):
 
 
 # Each pass's tiles, the fastest single choice over ResNet-50 b256's 53 BatchNorms on an
-# H200 (bench/batch_norm_sweep.py, docs/BENCHMARKS.md). The loads go through shared memory
-# three tiles ahead: a loop that waits for each tile moves 20% fewer bytes a second.
-BN_STATS = BnTiles(channels=64, elements=8192, warps=8, per_sm=2, stages=3)
+# H200 (bench/batch_norm_sweep.py, docs/BENCHMARKS.md). Every pass loops over tiles whose
+# loads go through shared memory 3 to 5 tiles ahead: without that, a pass waiting for each
+# tile moved 6-20% fewer bytes a second.
+BN_STATS = BnTiles(channels=64, elements=4096, warps=4, per_sm=2, stages=5)
 BN_SUMS = BnTiles(channels=64, elements=4096, warps=4, per_sm=2, stages=3)
-BN_GRADIENT = BnTiles(channels=128, elements=8192, warps=4)
+BN_GRADIENT = BnTiles(channels=128, elements=4096, warps=8, per_sm=2, stages=3)
 
 
 @triton.jit
@@ -599,10 +600,9 @@ def batch_norm_backward(grad_out: torch.Tensor, x: torch.Tensor, mean: torch.Ten
     weight, bias = weight.float().contiguous(), bias.float().contiguous()
     _bn_reduce(x_rows, g_rows, mean, invstd, weight, bias, grad_bias, grad_weight, relu=relu, backward=True)
     block_r, block_c = BN_GRADIENT.block(x.shape[1])
-    tiles, blocks = triton.cdiv(len(x_rows), block_r), triton.cdiv(x.shape[1], block_c)
-    if BN_GRADIENT.per_sm:
-        tiles = max(1, min(tiles, BN_GRADIENT.per_sm * _sms(x) // blocks))
-    _bn_backward_apply_kernel[(tiles, blocks)](
+    blocks = triton.cdiv(x.shape[1], block_c)
+    programs = max(1, min(triton.cdiv(len(x_rows), block_r), BN_GRADIENT.per_sm * _sms(x) // blocks))
+    _bn_backward_apply_kernel[(programs, blocks)](
         x_rows, g_rows, _rows(grad_x), mean, invstd, weight, bias, grad_bias, grad_weight, len(x_rows),
         x.shape[1], RELU=relu, BLOCK_R=block_r, BLOCK_C=block_c, STAGES=BN_GRADIENT.stages,
         num_warps=BN_GRADIENT.warps)

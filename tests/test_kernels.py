@@ -364,8 +364,8 @@ def test_batch_norm_reductions_count_in_one_place_for_good():
 @pytest.mark.parametrize("gradient_tiles", [None, triton_ops.BnTiles(64, 256, 4, per_sm=1, stages=2)])
 def test_batch_norm_backward(dtype, shape, relu, gradient_tiles, monkeypatch):
     """The input's and both parameters' gradients against float64, with the ReLU's mask
-    found again from x (about half the elements are masked); the gradient pass with one
-    program a tile (as set), or with one program a channel block looping over small tiles."""
+    found again from x (about half the elements are masked); the gradient pass as set, or
+    with one program a channel block looping over many small tiles."""
     if gradient_tiles is not None:
         monkeypatch.setattr(triton_ops, "BN_GRADIENT", gradient_tiles)
     x = rand(*shape, dtype=dtype).to(memory_format=torch.channels_last)
