@@ -75,3 +75,30 @@ def test_under_amp_the_first_conv_reads_the_padded_input_buffer_in_place():
     assert grads[0][0].shape == (len(x4), 5)
     for ours, packed in zip(*grads):
         torch.testing.assert_close(ours, packed, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("amp", [False, True])
+def test_the_gradient_handover_fills_the_slots_as_accumulating_would_with_one_copy_per_dtype(amp):
+    """Backward with the preset .grad adds each gradient into its arena slot, one kernel per
+    parameter; the handover lets autograd keep the gradients it computes and copies them all
+    in with one foreach copy per gradient dtype: the same values, and .grad is the slot again."""
+    from trainer.binding import GradientHandover
+    model = small_cnn()
+    plans, arena, _ = bound(model, amp=amp)
+    tensors = plans.tensors[plans.variants[0].name]
+    x, y = torch.randn(4, 3, 8, 8, dtype=torch.float16 if amp else torch.float32), torch.tensor([0, 1, 2, 3])
+    slots = [arena[t.g] for t in tensors.params.values()]
+    F.cross_entropy(model(x).float(), y).backward()
+    want = [s.clone() for s in slots]
+    for s in slots:
+        s.zero_()
+    handover = GradientHandover(model, tensors, arena)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        handover.release()
+        F.cross_entropy(model(x).float(), y).backward()
+        handover.gather()
+    assert all(torch.equal(s, w) for s, w in zip(slots, want)) and any(w.abs().sum() > 0 for w in want)
+    assert all(p.grad.data_ptr() == arena[tensors.params[n].g].data_ptr() for n, p in model.named_parameters())
+    events = prof.events()
+    assert sum(e.name == "aten::_foreach_copy_" for e in events) == (2 if amp else 1)
+    assert not [e for e in events if e.name == "aten::add_" and "AccumulateGrad" in getattr(e.cpu_parent, "name", "")]

@@ -12,7 +12,7 @@ from torch import nn
 
 from trainer import tta
 from trainer.arena import Arena
-from trainer.binding import use_statistics
+from trainer.binding import GradientHandover, use_statistics
 from trainer.loss import cross_entropy_
 from trainer.plan import Baseline as B
 from trainer.planner import ModelTensors
@@ -35,6 +35,9 @@ class Program:
         self.forward = model if forward is None else forward
         self.arena, self.ops = arena, ops
         self.smoothing, self.tta_level, self.grad_sync = label_smoothing, tta_level, grad_sync
+        # a gradient sync reduces buckets of the arena as backward fills them: there each
+        # gradient must land in its slot as it comes (the preset .grad)
+        self.handover = GradientHandover(model, tensors, arena) if grad_sync is None else None
         # the whole input slot, channel padding included: the first conv reads it in place
         self.x = arena.view(tensors.input.data[buffer], padded=True).permute(0, 3, 1, 2)
         self.y = arena[tensors.input.label[buffer]]
@@ -64,9 +67,15 @@ class Program:
         grad = self.arena[self.tensors.grad_slot]
         cross_entropy_(logits, self.y, self.smoothing, self.results, grad_out=grad,
                        grad_scale=s[B.LOSS_SCALE] if amp else None, nan_seen=s[B.NAN_SEEN])
-        logits.backward(grad)
-        if self.grad_sync is not None:
+        if self.handover is None:
+            logits.backward(grad)
             self.grad_sync()
+        else:
+            self.handover.release()
+            try:
+                logits.backward(grad)
+            finally:
+                self.handover.gather()
         ops.grad_scaling()
         ops.stash_frozen()
         ops.update()
