@@ -314,6 +314,8 @@ def test_bench_profile_rows_sets_how_many_kernels_a_profile_lists():
                             torch.device("cpu"))
     header, total, *operators = table_rows(result.profile)
     assert header == "operator" and total.startswith("all, against the measured") and len(operators) == 2
+    with pytest.raises(ConfigError, match="bench.profile_rows=0 must be positive"):
+        config("mode=bench", "bench.profile_rows=0")
 
 
 @pytest.mark.parametrize("name, kind", [  # kernels of ResNet-50's steps on an H200, as the profiler names them
