@@ -6,6 +6,7 @@
 # add the overrides in $ARGS; cifar5c names its sweep cifar5$TAG. r18c, r50compile and r50cdt
 # add $ARGS too and name their logs with $TAG (r50p too):
 #   TAG=_freeze3 ARGS="trainer.stem_norm_freeze_epochs=3" bash bench/gpu_suite.sh cifar5c
+#   TAG=full ARGS="bench.profile_rows=400" bash bench/gpu_suite.sh r50p   # every kernel of both steps
 # disttests and r50dp need two GPUs (r50dp: one GPU, then two, then two with compile=true);
 # fusionprobe needs the nvidia-cudnn-frontend package (docs/BENCHMARKS.md, "Session I").
 set -u
