@@ -3,7 +3,7 @@
 The one input kernel (crop_flip_normalize_, for data resident on the device) lives here
 too, for the same reason: one launch where torch needs a dozen; and the model ops
 max_pool_backward (trainer/pooling.py), which reads what autograd keeps anyway, and
-BatchNorm's batch_norm_stats and batch_norm_backward (trainer/norm.py), whose channel
+BatchNorm's batch_norm_stats_ and batch_norm_backward (trainer/norm.py), whose channel
 reductions over channels-last activations inductor compiles at half the bandwidth."""
 import importlib
 import os

@@ -159,11 +159,18 @@ def _at_least_fp32(x):
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def batch_norm_stats(x):
-    """The training statistics of BatchNorm over (N, H, W): each channel's mean and
-    biased variance, in fp32 (or x's wider type)."""
+def batch_norm_stats_(x, running_mean, running_var, momentum: float, eps: float):
+    """BatchNorm's training statistics over (N, H, W): each channel's mean and inverse
+    standard deviation 1 / sqrt(biased variance + eps), in fp32 (or x's wider type); and
+    running_mean and running_var moved toward the batch's mean and unbiased variance by
+    `momentum`, in place, as nn.BatchNorm2d moves them."""
+    count = x.numel() // x.shape[1]
+    if count < 2:
+        raise ValueError(f"BatchNorm in training needs more than 1 value per channel, got input of shape {list(x.shape)}")
     var, mean = torch.var_mean(_at_least_fp32(x), dim=(0, 2, 3), correction=0)
-    return mean, var
+    running_mean.lerp_(mean.to(running_mean.dtype), momentum)
+    running_var.lerp_((var * (count / (count - 1))).to(running_var.dtype), momentum)
+    return mean, torch.rsqrt(var + eps)
 
 
 def batch_norm_backward(grad_out, x, mean, invstd, weight, bias, relu: bool):

@@ -443,12 +443,14 @@ BN_GRADIENT = BnTiles(channels=128, elements=4096, warps=8, per_sm=2, stages=3)
 
 @triton.jit
 def _bn_reduce_kernel(x_ptr, g_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, part_ptr, count_ptr, out1_ptr, out2_ptr,
-                      M, C, rows, stretches, BACKWARD: tl.constexpr, RELU: tl.constexpr,
+                      M, C, rows, stretches, momentum, eps, BACKWARD: tl.constexpr, RELU: tl.constexpr,
                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr):
     """Per channel, over the rows. Forward: the sums of x - x[0] and of its square (shifted
-    by the first row, against cancellation), finished as the mean and the biased variance.
-    Backward: the sums of dz and of dz * (x - mean), dz being grad_out where the ReLU (when
-    RELU) passed it, finished as the bias's and the weight's gradients."""
+    by the first row, against cancellation), finished as the mean and the inverse standard
+    deviation, and the running mean and variance (at mean_ptr and invstd_ptr) moved toward
+    the batch's by momentum. Backward: the sums of dz and of dz * (x - mean), dz being
+    grad_out where the ReLU (when RELU) passed it, finished as the bias's and the weight's
+    gradients."""
     s, cb = tl.program_id(0), tl.program_id(1)
     c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     live = c < C
@@ -497,8 +499,15 @@ def _bn_reduce_kernel(x_ptr, g_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, part_ptr
             tl.store(out2_ptr + c, sum2 * invstd, live)
         else:
             d = sum1 / M
-            tl.store(out1_ptr + c, center + d, live)
-            tl.store(out2_ptr + c, tl.maximum(sum2 / M - d * d, 0.0), live)
+            mean = center + d
+            var = tl.maximum(sum2 / M - d * d, 0.0)
+            tl.store(out1_ptr + c, mean, live)
+            tl.store(out2_ptr + c, 1.0 / tl.sqrt(var + eps), live)
+            # the running statistics, as nn.BatchNorm2d moves them: toward the unbiased variance
+            running_mean = tl.load(mean_ptr + c, live)
+            running_var = tl.load(invstd_ptr + c, live)
+            tl.store(mean_ptr + c, running_mean + momentum * (mean - running_mean), live)
+            tl.store(invstd_ptr + c, running_var + momentum * (var * (M / (M - 1.0)) - running_var), live)
         tl.store(count_ptr + cb, 0)  # every other program has counted: ready for the next launch
 
 
@@ -554,9 +563,11 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     return _COUNTERS[device]
 
 
-def _bn_reduce(x_rows, g_rows, mean, invstd, weight, bias, out1, out2, relu: bool, backward: bool):
+def _bn_reduce(x_rows, g_rows, mean, invstd, weight, bias, out1, out2, relu: bool, backward: bool,
+               momentum: float = 0.0, eps: float = 0.0):
     """One launch of _bn_reduce_kernel, each program over a stretch of whole tiles. The
-    forward pass gives None for what only backward reads."""
+    forward pass passes the running mean and variance as mean and invstd, and None for what
+    only backward reads."""
     m, c = x_rows.shape
     tiles = BN_SUMS if backward else BN_STATS
     block_r, block_c = tiles.block(c)
@@ -566,23 +577,33 @@ def _bn_reduce(x_rows, g_rows, mean, invstd, weight, bias, out1, out2, relu: boo
     stretches = triton.cdiv(m, rows)
     part = torch.empty((stretches, 2, c), dtype=torch.float32, device=x_rows.device)
     count = _counters(x_rows.device, blocks)
-    _bn_reduce_kernel[(stretches, blocks)](x_rows, _or(g_rows, x_rows), *(_or(t, out1) for t in (mean, invstd, weight, bias)),
-                                           part, count, out1, out2, m, c, rows, stretches, BACKWARD=backward, RELU=relu,
-                                           BLOCK_R=block_r, BLOCK_C=block_c, STAGES=tiles.stages, num_warps=tiles.warps)
+    _bn_reduce_kernel[(stretches, blocks)](x_rows, _or(g_rows, x_rows), mean, invstd, *(_or(t, out1) for t in (weight, bias)),
+                                           part, count, out1, out2, m, c, rows, stretches, momentum, eps,
+                                           BACKWARD=backward, RELU=relu, BLOCK_R=block_r, BLOCK_C=block_c,
+                                           STAGES=tiles.stages, num_warps=tiles.warps)
 
 
-@torch.library.custom_op("trainer::batch_norm_stats", mutates_args=())
-def batch_norm_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """kernels.reference.batch_norm_stats in one pass over x."""
+@torch.library.custom_op("trainer::batch_norm_stats_", mutates_args=("running_mean", "running_var"))
+def batch_norm_stats_(x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor, momentum: float,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.reference.batch_norm_stats_ in one pass over x, the running statistics moved
+    by the last program of each channel block: no kernels of their own. Under compile=true
+    inductor calls it in place on the running statistics (a mutating custom op)."""
+    count = x.numel() // x.shape[1]
+    if count < 2:
+        raise ValueError(f"BatchNorm in training needs more than 1 value per channel, got input of shape {list(x.shape)}")
+    if not all(t.dtype == torch.float32 and t.is_contiguous() for t in (running_mean, running_var)):
+        raise TypeError("the BatchNorm kernels update contiguous fp32 running statistics")
     rows = _rows(x)
     mean = torch.empty(x.shape[1], dtype=torch.float32, device=x.device)
-    var = torch.empty_like(mean)
-    _bn_reduce(rows, None, None, None, None, None, mean, var, relu=False, backward=False)
-    return mean, var
+    invstd = torch.empty_like(mean)
+    _bn_reduce(rows, None, running_mean, running_var, None, None, mean, invstd, relu=False, backward=False,
+               momentum=momentum, eps=eps)
+    return mean, invstd
 
 
-@batch_norm_stats.register_fake
-def _(x):
+@batch_norm_stats_.register_fake
+def _(x, running_mean, running_var, momentum, eps):
     return x.new_empty(x.shape[1], dtype=torch.float32), x.new_empty(x.shape[1], dtype=torch.float32)
 
 

@@ -333,29 +333,49 @@ def rel_err(got, want):
     return ((got.double() - want).abs().max() / want.abs().max()).item()
 
 
+def batch_stats(x):
+    """The batch's mean and biased variance over (N, H, W), in float64."""
+    var, mean = torch.var_mean(x.double(), dim=(0, 2, 3), correction=0)
+    return mean, var
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF])
 @pytest.mark.parametrize("shape", BN_SHAPES)
 def test_batch_norm_stats(dtype, shape):
-    """Each channel's mean and biased variance over (N, H, W), against float64, where the
-    values sit far from zero (the sums are shifted by the first row against cancellation)
-    and the input is channels-last or not."""
+    """Each channel's mean and inverse standard deviation against float64, where the values
+    sit far from zero (the sums are shifted by the first row against cancellation) and the
+    input is channels-last or not; the running statistics moved as nn.BatchNorm2d moves them
+    (toward the unbiased variance)."""
     x = (rand(*shape, dtype=torch.float32) * 0.5 + 40).to(dtype)
     for layout in (torch.channels_last, torch.contiguous_format):
-        mean, var = triton_ops.batch_norm_stats(x.contiguous(memory_format=layout))
-        want_mean, want_var = truth("batch_norm_stats", x)
-        assert mean.dtype == var.dtype == torch.float32
-        assert (mean.double() - want_mean).abs().max() < 4e-6 and rel_err(var, want_var) < 1e-4
+        running_mean, running_var = rand(shape[1], seed=4), rand(shape[1], seed=5).abs() + 0.5
+        torch_bn = torch.nn.BatchNorm2d(shape[1]).double()
+        torch_bn.running_mean.copy_(running_mean)
+        torch_bn.running_var.copy_(running_var)
+        want_mean, want_invstd = truth("batch_norm_stats_", x, running_mean, running_var, 0.1, 1e-5)
+        mean, invstd = triton_ops.batch_norm_stats_(x.contiguous(memory_format=layout), running_mean, running_var,
+                                                    0.1, 1e-5)
+        assert mean.dtype == invstd.dtype == torch.float32
+        assert (mean.double() - want_mean).abs().max() < 4e-6 and rel_err(invstd, want_invstd) < 1e-4
+        torch_bn(x.double())
+        assert (running_mean.double() - torch_bn.running_mean).abs().max() < 1e-6
+        assert rel_err(running_var, torch_bn.running_var) < 1e-4
+
+
+def test_batch_norm_stats_needs_two_values_per_channel():
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        triton_ops.batch_norm_stats_(rand(1, 8, 1, 1), torch.zeros(8), torch.ones(8), 0.1, 1e-5)
 
 
 def test_batch_norm_reductions_count_in_one_place_for_good():
     """The reductions' counters stay where the first launch put them, however many channel
     blocks a later one has: a captured graph replays with the address it was captured with."""
     small, x = rand(2, 16, 3, 3), rand(2, 5000, 1, 3)  # 1 and 79 blocks of 64 channels
-    triton_ops.batch_norm_stats(small)
+    triton_ops.batch_norm_stats_(small, torch.zeros(16), torch.ones(16), 0.1, 1e-5)
     where = triton_ops._COUNTERS[small.device].data_ptr()
-    mean, var = triton_ops.batch_norm_stats(x)
+    mean, _ = triton_ops.batch_norm_stats_(x, torch.zeros(5000), torch.ones(5000), 0.1, 1e-5)
     assert triton_ops._COUNTERS[x.device].data_ptr() == where
-    assert (mean.double() - truth("batch_norm_stats", x)[0]).abs().max() < 1e-5
+    assert (mean.double() - batch_stats(x)[0]).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF])
@@ -370,7 +390,7 @@ def test_batch_norm_backward(dtype, shape, relu, gradient_tiles, monkeypatch):
         monkeypatch.setattr(triton_ops, "BN_GRADIENT", gradient_tiles)
     x = rand(*shape, dtype=dtype).to(memory_format=torch.channels_last)
     grad_out = rand(*shape, seed=1, dtype=dtype).to(memory_format=torch.channels_last)
-    mean, var = truth("batch_norm_stats", x)
+    mean, var = batch_stats(x)
     c = shape[1]
     args = (grad_out, x, mean.float(), torch.rsqrt(var + 1e-5).float(), rand(c, seed=2).abs() + 0.5,
             rand(c, seed=3) * 0.1, relu)
@@ -413,6 +433,27 @@ def test_a_resnet_with_the_batch_norm_kernels_keeps_its_forward_and_gradients():
             assert rel_err(q, p) < 1e-10, name
         plain.eval(), swapped.eval()
         torch.testing.assert_close(swapped(x), plain(x), rtol=1e-10, atol=1e-12)
+
+
+def test_a_compiled_model_with_the_triton_batch_norm_moves_its_running_statistics():
+    """Under compile the statistics kernel is a custom op that updates the running
+    statistics in place: after two training steps of a compiled CIFAR ResNet with the
+    Triton kernels, its logits and running statistics are the plain model's."""
+    import copy
+
+    from trainer.models import CifarResNet
+    from trainer.norm import use_batch_norm_kernels
+    torch.manual_seed(0)
+    plain = CifarResNet(8, 8, 10).to(DEVICE).to(memory_format=torch.channels_last)
+    swapped = copy.deepcopy(plain)
+    use_batch_norm_kernels(swapped, triton_ops)
+    compiled = torch.compile(swapped, dynamic=False)
+    for step in range(2):
+        x = rand(4, 3, 16, 16, seed=step).to(memory_format=torch.channels_last)
+        torch.testing.assert_close(compiled(x), plain(x), rtol=1e-4, atol=1e-4)
+    for (name, want), got in zip(plain.named_buffers(), swapped.buffers()):
+        if not name.endswith("num_batches_tracked"):
+            assert rel_err(got, want.double()) < 1e-5, name
 
 
 def test_folded_evaluation_keeps_a_fused_relu():

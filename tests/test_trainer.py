@@ -365,6 +365,7 @@ def test_a_compiled_run_with_folded_evaluation_compiles_training_and_evaluation_
 
     from trainer.loop import Trainer
     torch._dynamo.reset()
+    counters.clear()  # reset() keeps them: other tests' compiles would count
     Trainer(config(*TINY, "compile=true", "fold_bn=true", "trainer.epochs=2", "model=cifar_resnet20_narrow",
                    "data.resolution=16"), tmp_path, Dist()).fit()
     assert counters["frames"]["ok"] == 2  # the training step's forward, the evaluation's

@@ -35,23 +35,20 @@ class _BatchNorm(torch.autograd.Function):
 
 class BatchNorm2d(nn.BatchNorm2d):
     """nn.BatchNorm2d (affine, running statistics with a momentum), then a ReLU when
-    `self.relu`. In training the statistics are `self.stats_kernel`'s and backward is
-    `self.backward_kernel`; in evaluation it is nn.BatchNorm2d's."""
+    `self.relu`. In training the statistics (and the running statistics' update) are
+    `self.stats_kernel`'s and backward is `self.backward_kernel`; in evaluation it is
+    nn.BatchNorm2d's."""
     relu = False
 
     def forward(self, x):
         if not self.training:
             y = super().forward(x)
             return torch.relu(y) if self.relu else y
-        mean, var = self.stats_kernel(x.detach())
-        count = x.numel() // x.shape[1]
-        # as batch_norm updates them (the unbiased variance); nothing here needs grad
-        self.running_mean.lerp_(mean, self.momentum)
-        self.running_var.lerp_(var * (count / (count - 1)), self.momentum)
+        # the kernel also moves the running statistics, as batch_norm does; nothing here needs grad
+        mean, invstd = self.stats_kernel(x.detach(), self.running_mean, self.running_var, self.momentum, self.eps)
         if self.num_batches_tracked is not None:  # the trainer's binding drops it: the step counts
             self.num_batches_tracked.add_(1)
-        return _BatchNorm.apply(x, self.weight, self.bias, mean, torch.rsqrt(var + self.eps), self.relu,
-                                self.backward_kernel)
+        return _BatchNorm.apply(x, self.weight, self.bias, mean, invstd, self.relu, self.backward_kernel)
 
 
 class Bottleneck(torchvision.models.resnet.Bottleneck):
@@ -90,7 +87,7 @@ def use_batch_norm_kernels(model: nn.Module, kernels) -> int:
     swapped = 0
     for m in model.modules():
         if type(m) is nn.BatchNorm2d and m.affine and m.track_running_stats and m.momentum is not None:
-            m.__class__, m.stats_kernel, m.backward_kernel = BatchNorm2d, kernels.batch_norm_stats, \
+            m.__class__, m.stats_kernel, m.backward_kernel = BatchNorm2d, kernels.batch_norm_stats_, \
                 kernels.batch_norm_backward
             swapped += 1
     for m in model.modules():
