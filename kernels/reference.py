@@ -165,8 +165,6 @@ def batch_norm_stats_(x, running_mean, running_var, momentum: float, eps: float)
     running_mean and running_var moved toward the batch's mean and unbiased variance by
     `momentum`, in place, as nn.BatchNorm2d moves them."""
     count = x.numel() // x.shape[1]
-    if count < 2:
-        raise ValueError(f"BatchNorm in training needs more than 1 value per channel, got input of shape {list(x.shape)}")
     var, mean = torch.var_mean(_at_least_fp32(x), dim=(0, 2, 3), correction=0)
     running_mean.lerp_(mean.to(running_mean.dtype), momentum)
     running_var.lerp_((var * (count / (count - 1))).to(running_var.dtype), momentum)

@@ -362,9 +362,12 @@ def test_batch_norm_stats(dtype, shape):
         assert rel_err(running_var, torch_bn.running_var) < 1e-4
 
 
-def test_batch_norm_stats_needs_two_values_per_channel():
+def test_a_batch_norm_with_the_kernels_needs_two_values_per_channel():
+    from trainer.norm import use_batch_norm_kernels
+    bn = torch.nn.Sequential(torch.nn.BatchNorm2d(8))
+    use_batch_norm_kernels(bn, triton_ops)
     with pytest.raises(ValueError, match="more than 1 value per channel"):
-        triton_ops.batch_norm_stats_(rand(1, 8, 1, 1), torch.zeros(8), torch.ones(8), 0.1, 1e-5)
+        bn(rand(1, 8, 1, 1))
 
 
 def test_batch_norm_reductions_count_in_one_place_for_good():

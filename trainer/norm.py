@@ -44,6 +44,9 @@ class BatchNorm2d(nn.BatchNorm2d):
         if not self.training:
             y = super().forward(x)
             return torch.relu(y) if self.relu else y
+        if x.numel() <= x.shape[1]:  # as batch_norm refuses it: the unbiased variance divides by count - 1
+            raise ValueError(f"BatchNorm in training needs more than 1 value per channel, got input of shape "
+                             f"{list(x.shape)}")
         # the kernel also moves the running statistics, as batch_norm does; nothing here needs grad
         mean, invstd = self.stats_kernel(x.detach(), self.running_mean, self.running_var, self.momentum, self.eps)
         if self.num_batches_tracked is not None:  # the trainer's binding drops it: the step counts
