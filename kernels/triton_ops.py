@@ -431,6 +431,13 @@ class BnTiles(NamedTuple):
         block_c = min(self.channels, max(16, triton.next_power_of_2(c)))
         return self.elements // block_c, block_c
 
+    def grid(self, x_rows: torch.Tensor) -> tuple[int, int, int, int]:
+        """(rows, channels) of a tile, programs per channel block and channel blocks over the
+        (rows, C) matrix x_rows: per_sm programs per SM in all, fewer where there are fewer tiles."""
+        block_r, block_c = self.block(x_rows.shape[1])
+        blocks = triton.cdiv(x_rows.shape[1], block_c)
+        return block_r, block_c, max(1, min(triton.cdiv(len(x_rows), block_r), self.per_sm * _sms(x_rows) // blocks)), blocks
+
 
 # Each pass's tiles, the fastest single choice over ResNet-50 b256's 53 BatchNorms on an
 # H200 (bench/batch_norm_sweep.py, docs/BENCHMARKS.md). Every pass loops over tiles whose
@@ -570,9 +577,7 @@ def _bn_reduce(x_rows, g_rows, mean, invstd, weight, bias, out1, out2, relu: boo
     only backward reads."""
     m, c = x_rows.shape
     tiles = BN_SUMS if backward else BN_STATS
-    block_r, block_c = tiles.block(c)
-    blocks = triton.cdiv(c, block_c)
-    stretches = max(1, min(triton.cdiv(m, block_r), tiles.per_sm * _sms(x_rows) // blocks))
+    block_r, block_c, stretches, blocks = tiles.grid(x_rows)
     rows = triton.cdiv(triton.cdiv(m, stretches), block_r) * block_r
     stretches = triton.cdiv(m, rows)
     part = torch.empty((stretches, 2, c), dtype=torch.float32, device=x_rows.device)
@@ -617,9 +622,7 @@ def batch_norm_backward(grad_out: torch.Tensor, x: torch.Tensor, mean: torch.Ten
     grad_bias = torch.empty_like(grad_weight)
     weight, bias = weight.float().contiguous(), bias.float().contiguous()
     _bn_reduce(x_rows, g_rows, mean, invstd, weight, bias, grad_bias, grad_weight, relu=relu, backward=True)
-    block_r, block_c = BN_GRADIENT.block(x.shape[1])
-    blocks = triton.cdiv(x.shape[1], block_c)
-    programs = max(1, min(triton.cdiv(len(x_rows), block_r), BN_GRADIENT.per_sm * _sms(x) // blocks))
+    block_r, block_c, programs, blocks = BN_GRADIENT.grid(x_rows)
     _bn_backward_apply_kernel[(programs, blocks)](
         x_rows, g_rows, _rows(grad_x), mean, invstd, weight, bias, grad_bias, grad_weight, len(x_rows),
         x.shape[1], RELU=relu, BLOCK_R=block_r, BLOCK_C=block_c, STAGES=BN_GRADIENT.stages,
