@@ -167,26 +167,37 @@ def fused_sgd_ms(model):
     return median_ms(opt.step), 5 * 4 * sum(p.numel() for p in params)
 
 
-def max_pool_row():
-    """The max-pool backward at ResNet-50's stem: Triton's against ATen's (a sum of up to
-    four fp16 gradients may round differently: ATen on the CPU adds in fp16), and the two
-    timed; ATen's reads indices that its forward pass wrote (not timed here)."""
-    gen = torch.Generator(device=DEVICE).manual_seed(0)
+def stem_pool_inputs(gen):
+    """ResNet-50 b256's stem pool: its input (fp16, channels-last, a ReLU's output), a
+    gradient for its output, and the window."""
     x = torch.randn(256, 64, 112, 112, generator=gen, device=DEVICE).half().relu()
-    x = x.to(memory_format=torch.channels_last)
     window = ([3, 3], [2, 2], [1, 1])
-    indices = torch.ops.aten.max_pool2d_with_indices(x, *window)[1]
-    grad = torch.randn(indices.shape, generator=gen, device=DEVICE).half().to(memory_format=torch.channels_last)
+    grad = torch.randn(256, 64, 56, 56, generator=gen, device=DEVICE).half()
+    return x.to(memory_format=torch.channels_last), grad.to(memory_format=torch.channels_last), window
 
-    def aten():
+
+def max_pool_rows():
+    """The max-pool at ResNet-50's stem, forward and backward: Triton's (int8 positions)
+    against ATen's (int64 indices), each pair checked (a sum of up to four fp16 gradients
+    may round differently: ATen adds in fp16) and timed. Bytes: x read, y and positions
+    written; grad_out and positions read, dx written."""
+    x, grad, window = stem_pool_inputs(torch.Generator(device=DEVICE).manual_seed(0))
+    (y, arg), (y_ref, indices) = triton_ops.max_pool(x, *window), torch.ops.aten.max_pool2d_with_indices(x, *window)
+    dx = triton_ops.max_pool_backward(grad, arg, list(x.shape), True, *window)
+
+    def aten_backward():
         return torch.ops.aten.max_pool2d_with_indices_backward(grad, x, *window, [1, 1], False, indices)
 
-    tri, ref = triton_ops.max_pool_backward(grad, x, *window), aten()
-    if not torch.equal(tri != 0, ref != 0) or not torch.allclose(tri, ref, rtol=2 ** -10, atol=2 ** -7):
-        raise AssertionError(f"max-pool backward: Triton differs from ATen (max rel err {max_rel_err(tri, ref):.2e})")
-    nbytes = 2 * x.numel() * 2 + grad.numel() * 2  # x read, dx written, grad read
-    return (nbytes, max_rel_err(tri, ref), median_ms(lambda: triton_ops.max_pool_backward(grad, x, *window)),
-            median_ms(aten))
+    dx_ref = aten_backward()
+    if not torch.equal(y, y_ref) or not torch.equal(dx != 0, dx_ref != 0) or \
+            not torch.allclose(dx, dx_ref, rtol=2 ** -10, atol=2 ** -7):
+        raise AssertionError(f"max-pool: Triton differs from ATen (max rel err {max_rel_err(dx, dx_ref):.2e})")
+    nbytes = x.numel() * 2 + y.numel() * 3  # each pass: x or dx, y or grad_out, positions
+    return [("max-pool forward", nbytes, 0.0, graph_ms(lambda: triton_ops.max_pool(x, *window)),
+             graph_ms(lambda: torch.ops.aten.max_pool2d_with_indices(x, *window))),
+            ("max-pool backward", nbytes, max_rel_err(dx, dx_ref),
+             graph_ms(lambda: triton_ops.max_pool_backward(grad, arg, list(x.shape), True, *window)),
+             graph_ms(aten_backward))]
 
 
 def batch_norm_inputs(c: int, hw: int, gen: torch.Generator, batch: int = 256):
@@ -247,9 +258,9 @@ def main():
               f"{ref:9.3f} {gbps(nbytes, ref):6.0f} {ref / tri:7.1f}x")
     print(f"{'SGD fused (torch)':18s} {sgd_bytes / 1e6:6.0f} {'':11s} {'':9s} {'':6s} "
           f"{sgd_ms:9.3f} {gbps(sgd_bytes, sgd_ms):6.0f}   (torch.optim, {len(list(model.parameters()))} tensors)")
-    nbytes, err, tri, ref = max_pool_row()
-    print(f"{'max-pool backward':18s} {nbytes / 1e6:6.0f} {err:11.1e} {tri:9.3f} {gbps(nbytes, tri):6.0f} "
-          f"{ref:9.3f} {gbps(nbytes, ref):6.0f} {ref / tri:7.1f}x   (ResNet-50 b256 stem, fp16; torch: ATen's)")
+    for name, nbytes, err, tri, ref in max_pool_rows():
+        print(f"{name:18s} {nbytes / 1e6:6.0f} {err:11.1e} {tri:9.3f} {gbps(nbytes, tri):6.0f} "
+              f"{ref:9.3f} {gbps(nbytes, ref):6.0f} {ref / tri:7.1f}x   (ResNet-50 b256 stem, fp16; torch: ATen's)")
     for name, nbytes, err, tri, ref in batch_norm_rows():
         print(f"{name:18s} {nbytes / 1e6:6.0f} {err:11.1e} {tri:9.3f} {gbps(nbytes, tri):6.0f} "
               f"{ref:9.3f} {gbps(nbytes, ref):6.0f} {ref / tri:7.1f}x   (ResNet-50 b256, fp16; torch: inductor's)")

@@ -2,7 +2,7 @@
 (kernels.triton_ops) with the same functions, chosen by `kernels=auto|torch|triton`.
 The one input kernel (crop_flip_normalize_, for data resident on the device) lives here
 too, for the same reason: one launch where torch needs a dozen; and the model ops
-max_pool_backward (trainer/pooling.py), which reads what autograd keeps anyway, and
+max_pool and max_pool_backward (trainer/pooling.py), which keep one byte per output, and
 BatchNorm's batch_norm_stats_ and batch_norm_backward (trainer/norm.py), whose channel
 reductions over channels-last activations inductor compiles at half the bandwidth."""
 import importlib

@@ -145,14 +145,42 @@ def crop_flip_normalize_(images, labels, table, mean, inv_std, out, out_label, o
 
 
 # -- model ops ---------------------------------------------------------------------------
-def max_pool_backward(grad_out, x, kernel, stride, padding):
-    """The gradient of max_pool2d(x, kernel, stride, padding) (no dilation, floor mode)
-    from grad_out, from x alone: each window's maximum is found again (the first in
-    row-major order among equal ones, as max_pool2d's indices), so the forward pass need
-    not keep its int64 indices."""
-    aten = torch.ops.aten
-    indices = aten.max_pool2d_with_indices(x, kernel, stride, padding)[1]
-    return aten.max_pool2d_with_indices_backward(grad_out, x, kernel, stride, padding, [1, 1], False, indices)
+def memory_format(x):
+    """The layout max_pool2d gives its output: channels-last where x is (and not also plainly
+    contiguous)."""
+    channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    return torch.channels_last if channels_last else torch.contiguous_format
+
+
+def _window_corners(oh, ow, stride, padding, device):
+    """Each window's top row (oh, 1) and left column (ow,) in the input."""
+    rows = torch.arange(oh, device=device).view(-1, 1) * stride[0] - padding[0]
+    return rows, torch.arange(ow, device=device) * stride[1] - padding[1]
+
+
+def max_pool(x, kernel, stride, padding):
+    """max_pool2d(x, kernel, stride, padding) (no dilation, floor mode), and each window's
+    maximum as its position in the window, kh * kernel[1] + kw, int8 in (N, OH, OW, C)
+    order: the first maximum in row-major order, as max_pool2d's indices, in one byte where
+    those take eight."""
+    y, indices = torch.ops.aten.max_pool2d_with_indices(x, kernel, stride, padding)
+    rows, cols = _window_corners(*y.shape[2:], stride, padding, x.device)
+    width = x.shape[3]
+    arg = (indices // width - rows) * kernel[1] + indices % width - cols
+    return y, arg.to(torch.int8).permute(0, 2, 3, 1).contiguous()
+
+
+def max_pool_backward(grad_out, arg, input_shape, channels_last: bool, kernel, stride, padding):
+    """The gradient of max_pool2d for an input of `input_shape` (channels-last or not) from
+    grad_out and max_pool's positions: each input element gets the sum of grad_out over the
+    windows whose maximum it is."""
+    rows, cols = _window_corners(*grad_out.shape[2:], stride, padding, grad_out.device)
+    arg = arg.permute(0, 3, 1, 2).long()
+    indices = (rows + arg // kernel[1]) * input_shape[3] + cols + arg % kernel[1]
+    like = grad_out.new_empty(()).expand(input_shape)  # ATen's backward reads only its shape
+    dx = torch.ops.aten.max_pool2d_with_indices_backward(grad_out, like, kernel, stride, padding, [1, 1], False,
+                                                         indices)
+    return dx.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
 
 
 def _at_least_fp32(x):

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import CHUNK, TABLE_COLUMNS
+from kernels.reference import CHUNK, TABLE_COLUMNS, memory_format
 
 # Memory-bound kernels: 4096 elements per program gives a 25.6M-element range 6250 programs
 # (several waves on 132 SMs), and at 8 warps each thread moves 16 fp32 per tensor as four
@@ -322,9 +322,19 @@ def crop_flip_normalize_(images, labels, table, mean, inv_std, out, out_label, o
 
 
 # -- model ops ---------------------------------------------------------------------------
-# A program covers POOL_PIXELS pixels x POOL_CHANNELS channels; the channels are the
-# fast axis of channels-last tensors, so each pixel's row is one wide access.
-POOL_PIXELS, POOL_CHANNELS = 32, 64
+class PoolTiles(NamedTuple):
+    """A max-pool program covers `pixels` pixels x `channels` channels; the channels are the
+    fast axis of channels-last tensors, so each pixel's row is one wide access."""
+    pixels: int
+    channels: int
+    warps: int
+
+    def grid(self, n_pixels: int, c: int) -> tuple[int, int]:
+        return triton.cdiv(n_pixels, self.pixels), triton.cdiv(c, self.channels)
+
+
+POOL_FORWARD = PoolTiles(pixels=16, channels=64, warps=8)
+POOL_BACKWARD = PoolTiles(pixels=32, channels=64, warps=4)
 
 
 @triton.jit
@@ -335,36 +345,42 @@ def _pool_tile(n_pixels, C, POOL_PIXELS: tl.constexpr, POOL_CHANNELS: tl.constex
 
 
 @triton.jit
-def _max_pool_argmax_kernel(x_ptr, arg_ptr, C, H, W, OH, OW, sn, sc, sh, sw, n_out,
-                            KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
-                            PH: tl.constexpr, PW: tl.constexpr,
-                            POOL_PIXELS: tl.constexpr, POOL_CHANNELS: tl.constexpr):
-    """Each window's maximum as its position in the window (kh * KW + kw), int8, in
+def _max_pool_kernel(x_ptr, y_ptr, arg_ptr, n_out, C: tl.constexpr, H: tl.constexpr, W: tl.constexpr,
+                     OH: tl.constexpr, OW: tl.constexpr, XN: tl.constexpr, XC: tl.constexpr, XH: tl.constexpr,
+                     XW: tl.constexpr, YN: tl.constexpr, YC: tl.constexpr, YH: tl.constexpr, YW: tl.constexpr,
+                     KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+                     PH: tl.constexpr, PW: tl.constexpr, POOL_PIXELS: tl.constexpr, POOL_CHANNELS: tl.constexpr):
+    """Each window's maximum, and its position in the window (kh * KW + kw) as int8 in
     (n, oh, ow, c) order. The scan keeps max_pool2d's rule: a value replaces the best so far
-    when greater, or NaN; the first of equal maxima stays."""
+    when greater, or NaN; the first of equal maxima stays. Compared in fp32: exact for x in
+    fp32 or narrower."""
     p, c, live = _pool_tile(n_out, C, POOL_PIXELS, POOL_CHANNELS)
     n, oh, ow = p // (OH * OW), (p // OW) % OH, p % OW
-    base = x_ptr + n[:, None].to(tl.int64) * sn + c[None, :] * sc
+    base = x_ptr + n[:, None].to(tl.int64) * XN + c[None, :] * XC
     best = tl.full((POOL_PIXELS, POOL_CHANNELS), float("-inf"), tl.float32)
     arg = tl.full((POOL_PIXELS, POOL_CHANNELS), 0, tl.int32)
     for i in tl.static_range(KH):
         for j in tl.static_range(KW):
             h, w = oh * SH - PH + i, ow * SW - PW + j
             inside = live & ((h >= 0) & (h < H) & (w >= 0) & (w < W))[:, None]
-            v = tl.load(base + (h * sh + w * sw)[:, None], inside, other=float("-inf")).to(tl.float32)
+            v = tl.load(base + (h * XH + w * XW)[:, None], inside, other=float("-inf")).to(tl.float32)
             take = inside & ((v > best) | (v != v))
             best = tl.where(take, v, best)
             arg = tl.where(take, i * KW + j, arg)
+    tl.store(y_ptr + (n.to(tl.int64) * YN + oh * YH + ow * YW)[:, None] + c[None, :] * YC,
+             best.to(y_ptr.dtype.element_ty), live)
     tl.store(arg_ptr + p[:, None].to(tl.int64) * C + c[None, :], arg.to(tl.int8), live)
 
 
 @triton.jit
-def _max_pool_scatter_kernel(g_ptr, arg_ptr, dx_ptr, C, H, W, OH, OW, gn, gc, gh, gw, sn, sc, sh, sw, n_in,
-                             KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
-                             PH: tl.constexpr, PW: tl.constexpr,
-                             POOL_PIXELS: tl.constexpr, POOL_CHANNELS: tl.constexpr):
-    """Each input element's gradient: the sum, in fp32 and in increasing window order, of
-    grad_out over the windows whose maximum it is."""
+def _max_pool_backward_kernel(g_ptr, arg_ptr, dx_ptr, n_in, C: tl.constexpr, H: tl.constexpr, W: tl.constexpr,
+                              OH: tl.constexpr, OW: tl.constexpr, XN: tl.constexpr, XC: tl.constexpr,
+                              XH: tl.constexpr, XW: tl.constexpr, YN: tl.constexpr, YC: tl.constexpr,
+                              YH: tl.constexpr, YW: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+                              SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+                              POOL_PIXELS: tl.constexpr, POOL_CHANNELS: tl.constexpr):
+    """Each input element's gradient (dx, strides X*): the sum, in fp32 and in increasing
+    window order, of grad_out (strides Y*) over the windows whose maximum it is."""
     p, c, live = _pool_tile(n_in, C, POOL_PIXELS, POOL_CHANNELS)
     n, h, w = p // (H * W), (p // W) % H, p % W
     acc = tl.zeros((POOL_PIXELS, POOL_CHANNELS), tl.float32)
@@ -378,40 +394,65 @@ def _max_pool_scatter_kernel(g_ptr, arg_ptr, dx_ptr, C, H, W, OH, OW, gn, gc, gh
             mask = live & window[:, None]
             o = (n * OH + oh) * OW + ow
             arg = tl.load(arg_ptr + o[:, None].to(tl.int64) * C + c[None, :], mask, other=-1)
-            g = tl.load(g_ptr + (n.to(tl.int64) * gn + oh * gh + ow * gw)[:, None] + c[None, :] * gc, mask, other=0)
+            g = tl.load(g_ptr + (n.to(tl.int64) * YN + oh * YH + ow * YW)[:, None] + c[None, :] * YC, mask, other=0)
             acc += tl.where(mask & (arg == (i * KW + j)[:, None]), g.to(tl.float32), 0.0)
-    tl.store(dx_ptr + (n.to(tl.int64) * sn + h * sh + w * sw)[:, None] + c[None, :] * sc,
+    tl.store(dx_ptr + (n.to(tl.int64) * XN + h * XH + w * XW)[:, None] + c[None, :] * XC,
              acc.to(dx_ptr.dtype.element_ty), live)
 
 
-@torch.library.custom_op("trainer::max_pool_backward", mutates_args=())
-def max_pool_backward(grad_out: torch.Tensor, x: torch.Tensor, kernel: list[int], stride: list[int],
-                      padding: list[int]) -> torch.Tensor:
-    """kernels.reference.max_pool_backward in two passes: each window's maximum found again
-    as an int8 position, then every input element gathers grad_out from the windows whose
-    maximum it is. Its scratch is one byte per output element, for the backward only, where
-    max_pool2d keeps 8 (int64 indices) from the forward pass on. A custom op, so that
-    inductor calls it as it is inside a compiled backward."""
-    n, c, h, w = x.shape
-    oh, ow = grad_out.shape[2:]
+def _shapes(x, y) -> dict:
+    """The sizes and strides of a pool's input side x (or dx) and output side y (or
+    grad_out), as the kernels' constants: one pool is one shape, and known strides let
+    Triton prove its accesses wide and aligned."""
+    return dict(C=x.shape[1], H=x.shape[2], W=x.shape[3], OH=y.shape[2], OW=y.shape[3],
+                **dict(zip(("XN", "XC", "XH", "XW"), x.stride())), **dict(zip(("YN", "YC", "YH", "YW"), y.stride())))
+
+
+def _window(kernel, stride, padding, tiles: PoolTiles) -> dict:
     assert max(kernel) <= 11 and len(kernel) == len(stride) == len(padding) == 2, "positions must fit in int8"
-    consts = dict(KH=kernel[0], KW=kernel[1], SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1],
-                  POOL_PIXELS=POOL_PIXELS, POOL_CHANNELS=POOL_CHANNELS, num_warps=4)
-    arg = torch.empty((n, oh, ow, c), dtype=torch.int8, device=x.device)
-    dx = torch.empty_like(x)
-    if x.numel() == 0:
-        return dx
-    channels = triton.cdiv(c, POOL_CHANNELS)
-    _max_pool_argmax_kernel[(triton.cdiv(n * oh * ow, POOL_PIXELS), channels)](
-        x, arg, c, h, w, oh, ow, *x.stride(), n * oh * ow, **consts)
-    _max_pool_scatter_kernel[(triton.cdiv(n * h * w, POOL_PIXELS), channels)](
-        grad_out, arg, dx, c, h, w, oh, ow, *grad_out.stride(), *dx.stride(), n * h * w, **consts)
+    return dict(KH=kernel[0], KW=kernel[1], SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1],
+                POOL_PIXELS=tiles.pixels, POOL_CHANNELS=tiles.channels, num_warps=tiles.warps)
+
+
+@torch.library.custom_op("trainer::max_pool", mutates_args=())
+def max_pool(x: torch.Tensor, kernel: list[int], stride: list[int],
+             padding: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.reference.max_pool in one pass. A custom op, so that inductor calls it as it
+    is: inductor's compiled torch form of it took 60% longer (docs/BENCHMARKS.md)."""
+    y, arg = _pooled(x, kernel, stride, padding)
+    if y.numel():
+        c = x.shape[1]
+        _max_pool_kernel[POOL_FORWARD.grid(arg.numel() // c, c)](
+            x, y, arg, arg.numel() // c, **_shapes(x, y), **_window(kernel, stride, padding, POOL_FORWARD))
+    return y, arg
+
+
+@max_pool.register_fake
+def _pooled(x, kernel, stride, padding):
+    """Empty (y, positions): y in x's layout, as max_pool2d's output."""
+    n, c, h, w = x.shape
+    oh, ow = ((size + 2 * p - k) // s + 1 for size, k, s, p in zip((h, w), kernel, stride, padding))
+    y = torch.empty((n, c, oh, ow), dtype=x.dtype, device=x.device, memory_format=memory_format(x))
+    return y, torch.empty((n, oh, ow, c), dtype=torch.int8, device=x.device)
+
+
+@torch.library.custom_op("trainer::max_pool_backward", mutates_args=())
+def max_pool_backward(grad_out: torch.Tensor, arg: torch.Tensor, input_shape: list[int], channels_last: bool,
+                      kernel: list[int], stride: list[int], padding: list[int]) -> torch.Tensor:
+    """kernels.reference.max_pool_backward in one pass: every input element gathers
+    grad_out from the windows whose maximum it is."""
+    dx = _max_pool_grad(grad_out, arg, input_shape, channels_last, kernel, stride, padding)
+    if dx.numel():
+        n, c, h, w = input_shape
+        _max_pool_backward_kernel[POOL_BACKWARD.grid(n * h * w, c)](
+            grad_out, arg, dx, n * h * w, **_shapes(dx, grad_out), **_window(kernel, stride, padding, POOL_BACKWARD))
     return dx
 
 
 @max_pool_backward.register_fake
-def _(grad_out, x, kernel, stride, padding):
-    return torch.empty_like(x)
+def _max_pool_grad(grad_out, arg, input_shape, channels_last, kernel, stride, padding):
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    return torch.empty(input_shape, dtype=grad_out.dtype, device=grad_out.device, memory_format=layout)
 
 
 # BatchNorm over channels-last activations, seen as the (rows = N*H*W, C) matrix of their

@@ -326,7 +326,8 @@ def test_bench_profile_rows_sets_how_many_kernels_a_profile_lists():
     ("nvjet_sm90_hsh_256x128_64x4_1x2_h_bz_coopA_TNT", "GEMM (cuBLAS, cuDNN)"),
     ("triton_red_fused__native_batch_norm_legit_functional_add_native_batch_norm_backward_thresh", "inductor reductions"),
     ("triton_poi_fused_add_threshold_backward_57", "inductor pointwise"),
-    ("_bn_reduce_kernel", "BatchNorm (kernels/)"), ("_max_pool_scatter_kernel", "max-pool (kernels/)"),
+    ("_bn_reduce_kernel", "BatchNorm (kernels/)"), ("_max_pool_backward_kernel", "max-pool (kernels/)"),
+    ("_max_pool_kernel", "max-pool (kernels/)"),
     ("_sgd_kernel", "range ops (kernels/)"),
     ("void at::native::batch_norm_backward_elemt_channels_last_kernel<4, c10::BFloat16, float, f", "ATen, cuDNN BatchNorm"),
     ("void cudnn::bn_fw_tr_1C11_singleread_spec_kernel<float, float, float, 512, true, 1, 2, 1>", "ATen, cuDNN BatchNorm"),
@@ -372,16 +373,17 @@ def test_a_compiled_run_with_folded_evaluation_compiles_training_and_evaluation_
 
 
 def test_set_up_gives_the_stem_pool_the_kernels_backward():
-    """ResNet's nn.MaxPool2d backward comes from the run's kernels (here the torch
-    reference), and the pooled input is all it keeps for it: no int64 indices."""
+    """ResNet's nn.MaxPool2d comes from the run's kernels (here the torch reference), and
+    all it keeps for its backward is the int8 positions: no int64 indices, not its input."""
     from kernels import reference
     from trainer.pooling import MaxPool2d
     from trainer.setup import assemble
     model = assemble(config(*TINY, "model=resnet18", "data.resolution=32"), torch.device("cpu")).model
-    assert type(model.maxpool) is MaxPool2d and model.maxpool.backward_kernel is reference.max_pool_backward
+    assert type(model.maxpool) is MaxPool2d and model.maxpool.pool_kernel is reference.max_pool
+    assert model.maxpool.backward_kernel is reference.max_pool_backward
     x = torch.randn(2, 64, 16, 16, requires_grad=True)
     y = model.maxpool(x)
-    assert [t.dtype for t in y.grad_fn.saved_tensors] == [torch.float32]
+    assert [(t.dtype, t.shape) for t in y.grad_fn.saved_tensors] == [(torch.int8, (2, 8, 8, 64))]
 
 
 @pytest.mark.parametrize("compile_", [False, True])

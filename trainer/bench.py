@@ -150,7 +150,7 @@ def _measure(cfg: TrainConfig, method: str, step, t0: float, device) -> Result:
 KINDS = (("inductor reductions", "^triton_(red|per)_"), ("inductor pointwise", "^triton_poi_"),
          ("convolution forward", "fprop|first_layer"), ("convolution dgrad", "dgrad"),
          ("convolution wgrad", "wgrad|splitKreduce"), ("BatchNorm (kernels/)", "_bn_(reduce|backward_apply)_kernel"),
-         ("max-pool (kernels/)", "_max_pool_(argmax|scatter)_kernel"),
+         ("max-pool (kernels/)", "_max_pool(_backward)?_kernel"),
          ("range ops (kernels/)", "_(sgd|adam|lars|lars_norms|convert|ema|swap)_kernel"),
          ("input augmentation (kernels/)", "_crop_flip_normalize_kernel"),
          ("ATen, cuDNN BatchNorm", "batch_norm|bn_fw|bn_bw"), ("GEMM (cuBLAS, cuDNN)", "nvjet|gemm|cutlass|cublas|cudnn"),
