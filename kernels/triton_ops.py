@@ -333,6 +333,7 @@ class PoolTiles(NamedTuple):
         return triton.cdiv(n_pixels, self.pixels), triton.cdiv(c, self.channels)
 
 
+# The fastest at ResNet-50 b256's stem on an H200 (bench/max_pool_sweep.py, docs/BENCHMARKS.md)
 POOL_FORWARD = PoolTiles(pixels=16, channels=64, warps=8)
 POOL_BACKWARD = PoolTiles(pixels=32, channels=64, warps=4)
 
@@ -418,7 +419,8 @@ def _window(kernel, stride, padding, tiles: PoolTiles) -> dict:
 def max_pool(x: torch.Tensor, kernel: list[int], stride: list[int],
              padding: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """kernels.reference.max_pool in one pass. A custom op, so that inductor calls it as it
-    is: inductor's compiled torch form of it took 60% longer (docs/BENCHMARKS.md)."""
+    is: inductor's compile of the torch form was slower, alone and in the step
+    (docs/BENCHMARKS.md)."""
     y, arg = _pooled(x, kernel, stride, padding)
     if y.numel():
         c = x.shape[1]
