@@ -160,22 +160,24 @@ def _window_corners(oh, ow, stride, padding, device):
 
 def max_pool(x, kernel, stride, padding):
     """max_pool2d(x, kernel, stride, padding) (no dilation, floor mode), and each window's
-    maximum as its position in the window, kh * kernel[1] + kw, int8 in (N, OH, OW, C)
-    order: the first maximum in row-major order, as max_pool2d's indices, in one byte where
-    those take eight."""
+    maximum as its position in the window, kh * kernel[1] + kw: the first maximum in
+    row-major order, as max_pool2d's indices, in one byte where those take eight. The
+    positions are an int8 (N*OH*OW, C) matrix, not a 4-d tensor: inductor lays out 4-d
+    tensors of a network with convolutions channels-last, and would copy them to and fro."""
     y, indices = torch.ops.aten.max_pool2d_with_indices(x, kernel, stride, padding)
     rows, cols = _window_corners(*y.shape[2:], stride, padding, x.device)
     width = x.shape[3]
     arg = (indices // width - rows) * kernel[1] + indices % width - cols
-    return y, arg.to(torch.int8).permute(0, 2, 3, 1).contiguous()
+    return y, arg.to(torch.int8).permute(0, 2, 3, 1).reshape(-1, x.shape[1])
 
 
 def max_pool_backward(grad_out, arg, input_shape, channels_last: bool, kernel, stride, padding):
     """The gradient of max_pool2d for an input of `input_shape` (channels-last or not) from
     grad_out and max_pool's positions: each input element gets the sum of grad_out over the
     windows whose maximum it is."""
-    rows, cols = _window_corners(*grad_out.shape[2:], stride, padding, grad_out.device)
-    arg = arg.permute(0, 3, 1, 2).long()
+    n, c, oh, ow = grad_out.shape
+    rows, cols = _window_corners(oh, ow, stride, padding, grad_out.device)
+    arg = arg.view(n, oh, ow, c).permute(0, 3, 1, 2).long()
     indices = (rows + arg // kernel[1]) * input_shape[3] + cols + arg % kernel[1]
     like = grad_out.new_empty(()).expand(input_shape)  # ATen's backward reads only its shape
     dx = torch.ops.aten.max_pool2d_with_indices_backward(grad_out, like, kernel, stride, padding, [1, 1], False,

@@ -351,8 +351,8 @@ def _max_pool_kernel(x_ptr, y_ptr, arg_ptr, n_out, C: tl.constexpr, H: tl.conste
                      XW: tl.constexpr, YN: tl.constexpr, YC: tl.constexpr, YH: tl.constexpr, YW: tl.constexpr,
                      KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
                      PH: tl.constexpr, PW: tl.constexpr, POOL_PIXELS: tl.constexpr, POOL_CHANNELS: tl.constexpr):
-    """Each window's maximum, and its position in the window (kh * KW + kw) as int8 in
-    (n, oh, ow, c) order. The scan keeps max_pool2d's rule: a value replaces the best so far
+    """Each window's maximum, and its position in the window (kh * KW + kw) as int8, row
+    n * OH * OW + oh * OW + ow and column c of the positions. The scan keeps max_pool2d's rule: a value replaces the best so far
     when greater, or NaN; the first of equal maxima stays. Compared in fp32: exact for x in
     fp32 or narrower."""
     p, c, live = _pool_tile(n_out, C, POOL_PIXELS, POOL_CHANNELS)
@@ -423,19 +423,19 @@ def max_pool(x: torch.Tensor, kernel: list[int], stride: list[int],
     (docs/BENCHMARKS.md)."""
     y, arg = _pooled(x, kernel, stride, padding)
     if y.numel():
-        c = x.shape[1]
-        _max_pool_kernel[POOL_FORWARD.grid(arg.numel() // c, c)](
-            x, y, arg, arg.numel() // c, **_shapes(x, y), **_window(kernel, stride, padding, POOL_FORWARD))
+        _max_pool_kernel[POOL_FORWARD.grid(*arg.shape)](
+            x, y, arg, len(arg), **_shapes(x, y), **_window(kernel, stride, padding, POOL_FORWARD))
     return y, arg
 
 
 @max_pool.register_fake
 def _pooled(x, kernel, stride, padding):
-    """Empty (y, positions): y in x's layout, as max_pool2d's output."""
+    """Empty (y, positions): y in x's layout, as max_pool2d's output; the positions as
+    kernels.reference.max_pool's, an (N*OH*OW, C) matrix."""
     n, c, h, w = x.shape
     oh, ow = ((size + 2 * p - k) // s + 1 for size, k, s, p in zip((h, w), kernel, stride, padding))
     y = torch.empty((n, c, oh, ow), dtype=x.dtype, device=x.device, memory_format=memory_format(x))
-    return y, torch.empty((n, oh, ow, c), dtype=torch.int8, device=x.device)
+    return y, torch.empty((n * oh * ow, c), dtype=torch.int8, device=x.device)
 
 
 @torch.library.custom_op("trainer::max_pool_backward", mutates_args=())

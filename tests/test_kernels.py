@@ -7,6 +7,7 @@ every element of every tensor argument, so an output element a kernel forgot to 
 each tensor catch writes past the end of a range.
 """
 import os
+import re
 
 import pytest
 import torch
@@ -270,7 +271,7 @@ def test_max_pool(dtype, kernel, stride, padding, channels_last):
     for impl in (reference, triton_ops):
         y_impl, arg = impl.max_pool(x, kernel, stride, padding)
         torch.testing.assert_close(y_impl, y, rtol=0, atol=0, equal_nan=True)
-        assert y_impl.stride() == y.stride() and arg.dtype == torch.int8
+        assert y_impl.stride() == y.stride() and arg.dtype == torch.int8 and arg.shape == (y[:, 0].numel(), 70)
         dx_impl = impl.max_pool_backward(grad_out, arg, list(x.shape), channels_last, kernel, stride, padding)
         assert torch.equal(dx_impl, dx) and dx_impl.stride() == x.stride()
         args.append(arg)
@@ -292,6 +293,25 @@ def test_a_compiled_max_pool_is_the_kernel_as_it_is():
     targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
     assert "trainer.max_pool.default" in targets and not any("aten" in t for t in targets), targets
     assert all(torch.equal(a, b) for a, b in zip((y, arg), reference.max_pool(x, [3, 3], [2, 2], [1, 1])))
+
+
+def test_a_compiled_network_keeps_the_max_pool_positions_as_they_are():
+    """Inductor lays out a convolutional network's 4-d tensors channels-last; positions
+    kept as a 4-d tensor were copied into that layout after the forward pass and back for
+    the backward (0.08 ms of ResNet-50's step). Kept as a matrix, no int8 buffer of
+    inductor's own appears in the compiled forward or backward."""
+    from torch._inductor.utils import run_and_get_code
+
+    from trainer.pooling import use_max_pool_kernel
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.MaxPool2d(3, 2, 1),
+                                torch.nn.Conv2d(16, 16, 3)).to(DEVICE, memory_format=torch.channels_last)
+    assert use_max_pool_kernel(model, triton_ops) == 1
+    compiled = torch.compile(model, dynamic=False)
+    x = rand(2, 3, 12, 12).to(memory_format=torch.channels_last)
+    _, code = run_and_get_code(lambda: compiled(x).square().sum().backward())
+    assert len(code) == 2 and not any(re.search(r"empty_strided\w*\([^\n]*torch\.int8\)", c) for c in code)
+    assert "trainer.max_pool.default" in code[0] and "trainer.max_pool_backward.default" in code[1]
 
 
 def resnet18_and_swapped(swap, kernels):
