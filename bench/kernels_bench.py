@@ -176,6 +176,12 @@ def stem_pool_inputs(gen):
     return x.to(memory_format=torch.channels_last), grad.to(memory_format=torch.channels_last), window
 
 
+def pool_pass_bytes(x, y) -> int:
+    """What each max-pool pass over fp16 x (pooled to y) must move: x or dx, y or grad_out,
+    and the int8 positions."""
+    return x.numel() * 2 + y.numel() * 3
+
+
 def max_pool_rows():
     """The max-pool at ResNet-50's stem, forward and backward: Triton's (int8 positions)
     against ATen's (int64 indices), each pair checked (a sum of up to four fp16 gradients
@@ -192,7 +198,7 @@ def max_pool_rows():
     if not torch.equal(y, y_ref) or not torch.equal(dx != 0, dx_ref != 0) or \
             not torch.allclose(dx, dx_ref, rtol=2 ** -10, atol=2 ** -7):
         raise AssertionError(f"max-pool: Triton differs from ATen (max rel err {max_rel_err(dx, dx_ref):.2e})")
-    nbytes = x.numel() * 2 + y.numel() * 3  # each pass: x or dx, y or grad_out, positions
+    nbytes = pool_pass_bytes(x, y)
     return [("max-pool forward", nbytes, 0.0, graph_ms(lambda: triton_ops.max_pool(x, *window)),
              graph_ms(lambda: torch.ops.aten.max_pool2d_with_indices(x, *window))),
             ("max-pool backward", nbytes, max_rel_err(dx, dx_ref),

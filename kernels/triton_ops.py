@@ -351,10 +351,10 @@ def _max_pool_kernel(x_ptr, y_ptr, arg_ptr, n_out, C: tl.constexpr, H: tl.conste
                      XW: tl.constexpr, YN: tl.constexpr, YC: tl.constexpr, YH: tl.constexpr, YW: tl.constexpr,
                      KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
                      PH: tl.constexpr, PW: tl.constexpr, POOL_PIXELS: tl.constexpr, POOL_CHANNELS: tl.constexpr):
-    """Each window's maximum, and its position in the window (kh * KW + kw) as int8, row
-    n * OH * OW + oh * OW + ow and column c of the positions. The scan keeps max_pool2d's rule: a value replaces the best so far
-    when greater, or NaN; the first of equal maxima stays. Compared in fp32: exact for x in
-    fp32 or narrower."""
+    """Each window's maximum, and its position in the window (kh * KW + kw) as int8, at row
+    n * OH * OW + oh * OW + ow and column c of the positions. The scan keeps max_pool2d's
+    rule: a value replaces the best so far when greater, or NaN; the first of equal maxima
+    stays. Compared in fp32: exact for x in fp32 or narrower."""
     p, c, live = _pool_tile(n_out, C, POOL_PIXELS, POOL_CHANNELS)
     n, oh, ow = p // (OH * OW), (p // OW) % OH, p % OW
     base = x_ptr + n[:, None].to(tl.int64) * XN + c[None, :] * XC
