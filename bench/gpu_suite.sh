@@ -34,11 +34,12 @@ for s in "$@"; do case $s in
   kernels) section kernels 120 python3 bench/kernels_bench.py;;
   bnsweep) section bnsweep 420 python3 bench/batch_norm_sweep.py;;
   poolsweep) section poolsweep 200 python3 bench/max_pool_sweep.py;;
-  poolprobe) section poolprobe 300 python3 bench/pool_probe.py $R50 trainer.batch_size=256 compile=true;;
+  stemsweep) section stemsweep 300 python3 bench/stem_sweep.py;;
+  poolprobe|stemprobe) section $s 300 python3 bench/step_probe.py ${s%probe} $R50 trainer.batch_size=256 compile=true $ARGS;;
   r50) section r50 330 python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.optimizers=[momentum,lars,adamw]" hydra.run.dir=$OUT/r50;;
   r50nocompile) section r50nocompile 200 python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.baselines=[eager_bf16,eager_fp16]" "bench.optimizers=[momentum,lars,adamw]" hydra.run.dir=$OUT/r50nc;;
   r50compile) section r50compile$TAG 300 python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.baselines=[eager_bf16,compile_bf16]" compile=true $ARGS hydra.run.dir=$OUT/r50c$TAG;;
-  r50cdt) section r50cdt$TAG 420 python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.baselines=[eager_bf16]" compile=true +compile_options.coordinate_descent_tuning=true $ARGS hydra.run.dir=$OUT/r50cdt$TAG;;
+  r50cdt) section r50cdt$TAG 480 python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.baselines=[eager_bf16,compile_bf16]" compile=true +compile_options.coordinate_descent_tuning=true $ARGS hydra.run.dir=$OUT/r50cdt$TAG;;
   r50p) section r50p$TAG 300 python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.baselines=[compile_bf16]" compile=true bench.profile=10 $ARGS hydra.run.dir=$OUT/r50p$TAG;;
   r50b64) section r50b64 120 python3 run.py mode=bench $R50 trainer.batch_size=64 "bench.baselines=[eager_bf16,eager_fp16]" hydra.run.dir=$OUT/r50b64;;
   r18) section r18 120 python3 run.py mode=bench model=resnet18_cifar data.resolution=32 amp=true trainer.batch_size=512 "bench.baselines=[eager_bf16,eager_fp16]" hydra.run.dir=$OUT/r18;;
