@@ -34,8 +34,7 @@ for s in "$@"; do case $s in
   kernels) section kernels 120 python3 bench/kernels_bench.py;;
   bnsweep) section bnsweep 420 python3 bench/batch_norm_sweep.py;;
   poolsweep) section poolsweep 200 python3 bench/max_pool_sweep.py;;
-  stemsweep) section stemsweep 300 python3 bench/stem_sweep.py;;
-  poolprobe|stemprobe) section $s 300 python3 bench/step_probe.py ${s%probe} $R50 trainer.batch_size=256 compile=true $ARGS;;
+  poolprobe) section poolprobe 300 python3 bench/pool_probe.py $R50 trainer.batch_size=256 compile=true;;
   r50) section r50 330 python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.optimizers=[momentum,lars,adamw]" hydra.run.dir=$OUT/r50;;
   r50nocompile) section r50nocompile 200 python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.baselines=[eager_bf16,eager_fp16]" "bench.optimizers=[momentum,lars,adamw]" hydra.run.dir=$OUT/r50nc;;
   r50compile) section r50compile$TAG 300 python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.baselines=[eager_bf16,compile_bf16]" compile=true $ARGS hydra.run.dir=$OUT/r50c$TAG;;

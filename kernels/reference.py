@@ -158,17 +158,12 @@ def _window_corners(oh, ow, stride, padding, device):
     return rows, torch.arange(ow, device=device) * stride[1] - padding[1]
 
 
-def max_pool(x, kernel, stride, padding, scale=None, shift=None):
+def max_pool(x, kernel, stride, padding):
     """max_pool2d(x, kernel, stride, padding) (no dilation, floor mode), and each window's
     maximum as its position in the window, kh * kernel[1] + kw: the first maximum in
     row-major order, as max_pool2d's indices, in one byte where those take eight. The
     positions are an int8 (N*OH*OW, C) matrix, not a 4-d tensor: inductor lays out 4-d
-    tensors of a network with convolutions channels-last, and would copy them to and fro.
-    With per-channel fp32 `scale` and `shift`, the pool is of relu(x * scale + shift), a
-    BatchNorm and the ReLU after it, compared in fp32 and written in x's dtype."""
-    if scale is not None:
-        y, arg = max_pool(torch.relu(x * scale.view(1, -1, 1, 1) + shift.view(1, -1, 1, 1)), kernel, stride, padding)
-        return y.to(x.dtype), arg
+    tensors of a network with convolutions channels-last, and would copy them to and fro."""
     y, indices = torch.ops.aten.max_pool2d_with_indices(x, kernel, stride, padding)
     rows, cols = _window_corners(*y.shape[2:], stride, padding, x.device)
     width = x.shape[3]

@@ -346,23 +346,18 @@ def _pool_tile(n_pixels, C, POOL_PIXELS: tl.constexpr, POOL_CHANNELS: tl.constex
 
 
 @triton.jit
-def _max_pool_kernel(x_ptr, y_ptr, arg_ptr, scale_ptr, shift_ptr, n_out, C: tl.constexpr, H: tl.constexpr,
-                     W: tl.constexpr, OH: tl.constexpr, OW: tl.constexpr, XN: tl.constexpr, XC: tl.constexpr,
-                     XH: tl.constexpr, XW: tl.constexpr, YN: tl.constexpr, YC: tl.constexpr, YH: tl.constexpr,
-                     YW: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
-                     PH: tl.constexpr, PW: tl.constexpr, NORMALIZE: tl.constexpr, POOL_PIXELS: tl.constexpr,
-                     POOL_CHANNELS: tl.constexpr):
+def _max_pool_kernel(x_ptr, y_ptr, arg_ptr, n_out, C: tl.constexpr, H: tl.constexpr, W: tl.constexpr,
+                     OH: tl.constexpr, OW: tl.constexpr, XN: tl.constexpr, XC: tl.constexpr, XH: tl.constexpr,
+                     XW: tl.constexpr, YN: tl.constexpr, YC: tl.constexpr, YH: tl.constexpr, YW: tl.constexpr,
+                     KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+                     PH: tl.constexpr, PW: tl.constexpr, POOL_PIXELS: tl.constexpr, POOL_CHANNELS: tl.constexpr):
     """Each window's maximum, and its position in the window (kh * KW + kw) as int8, at row
     n * OH * OW + oh * OW + ow and column c of the positions. The scan keeps max_pool2d's
     rule: a value replaces the best so far when greater, or NaN; the first of equal maxima
-    stays. Compared in fp32: exact for x in fp32 or narrower. NORMALIZE: of relu(x * scale
-    + shift), in fp32."""
+    stays. Compared in fp32: exact for x in fp32 or narrower."""
     p, c, live = _pool_tile(n_out, C, POOL_PIXELS, POOL_CHANNELS)
     n, oh, ow = p // (OH * OW), (p // OW) % OH, p % OW
     base = x_ptr + n[:, None].to(tl.int64) * XN + c[None, :] * XC
-    if NORMALIZE:
-        scale = tl.load(scale_ptr + c, c < C)[None, :]
-        shift = tl.load(shift_ptr + c, c < C)[None, :]
     best = tl.full((POOL_PIXELS, POOL_CHANNELS), float("-inf"), tl.float32)
     arg = tl.full((POOL_PIXELS, POOL_CHANNELS), 0, tl.int32)
     for i in tl.static_range(KH):
@@ -370,9 +365,6 @@ def _max_pool_kernel(x_ptr, y_ptr, arg_ptr, scale_ptr, shift_ptr, n_out, C: tl.c
             h, w = oh * SH - PH + i, ow * SW - PW + j
             inside = live & ((h >= 0) & (h < H) & (w >= 0) & (w < W))[:, None]
             v = tl.load(base + (h * XH + w * XW)[:, None], inside, other=float("-inf")).to(tl.float32)
-            if NORMALIZE:
-                v = v * scale + shift
-                v = tl.where(inside, tl.where(v < 0, 0.0, v), float("-inf"))  # NaN stays, as in torch.relu
             take = inside & ((v > best) | (v != v))
             best = tl.where(take, v, best)
             arg = tl.where(take, i * KW + j, arg)
@@ -424,23 +416,20 @@ def _window(kernel, stride, padding, tiles: PoolTiles) -> dict:
 
 
 @torch.library.custom_op("trainer::max_pool", mutates_args=())
-def max_pool(x: torch.Tensor, kernel: list[int], stride: list[int], padding: list[int],
-             scale: torch.Tensor | None = None, shift: torch.Tensor | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def max_pool(x: torch.Tensor, kernel: list[int], stride: list[int],
+             padding: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """kernels.reference.max_pool in one pass. A custom op, so that inductor calls it as it
     is: inductor's compile of the torch form was slower, alone and in the step
-    (docs/BENCHMARKS.md). With scale and shift it normalizes a BatchNorm's input as it
-    loads it: the normalized tensor is never written."""
+    (docs/BENCHMARKS.md)."""
     y, arg = _pooled(x, kernel, stride, padding)
     if y.numel():
         _max_pool_kernel[POOL_FORWARD.grid(*arg.shape)](
-            x, y, arg, _or(scale, x), _or(shift, x), len(arg), **_shapes(x, y), NORMALIZE=scale is not None,
-            **_window(kernel, stride, padding, POOL_FORWARD))
+            x, y, arg, len(arg), **_shapes(x, y), **_window(kernel, stride, padding, POOL_FORWARD))
     return y, arg
 
 
 @max_pool.register_fake
-def _pooled(x, kernel, stride, padding, scale=None, shift=None):
+def _pooled(x, kernel, stride, padding):
     """Empty (y, positions): y in x's layout, as max_pool2d's output; the positions as
     kernels.reference.max_pool's, an (N*OH*OW, C) matrix."""
     n, c, h, w = x.shape

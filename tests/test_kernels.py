@@ -278,27 +278,6 @@ def test_max_pool(dtype, kernel, stride, padding, channels_last):
     assert torch.equal(*args)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, *HALF])
-@pytest.mark.parametrize("kernel,stride,padding", [(3, 2, 1), (2, 2, 0), ((3, 2), (2, 1), (1, 0))])
-def test_max_pool_of_a_batch_norm(dtype, kernel, stride, padding):
-    """With a scale and shift, both implementations pool relu(x * scale + shift) compared in
-    fp32, exactly as max_pool2d of that fp32 tensor, written in x's dtype (the ReLU's zeros
-    tie in most windows; the scales include negative ones and 0; a NaN is a maximum)."""
-    kernel, stride, padding = ([v, v] if isinstance(v, int) else list(v) for v in (kernel, stride, padding))
-    g = torch.Generator().manual_seed(0)
-    x = torch.randint(-3, 4, (3, 70, 11, 9), generator=g).to(dtype)
-    x[1, 5, 4, 4] = float("nan")
-    x = x.to(DEVICE, memory_format=torch.channels_last)
-    scale = (torch.randint(-2, 3, (70,), generator=g) * 0.5).to(DEVICE)
-    shift = (torch.randint(-2, 3, (70,), generator=g) * 0.25).to(DEVICE)
-    normalized = torch.relu(x * scale.view(1, -1, 1, 1) + shift.view(1, -1, 1, 1))
-    y, indices = torch.ops.aten.max_pool2d_with_indices(normalized, kernel, stride, padding)
-    for impl in (reference, triton_ops):
-        y_impl, arg = impl.max_pool(x, kernel, stride, padding, scale, shift)
-        torch.testing.assert_close(y_impl, y.to(dtype), rtol=0, atol=0, equal_nan=True)
-        assert y_impl.stride() == y.stride() and torch.equal(arg, reference.max_pool(normalized, kernel, stride, padding)[1])
-
-
 def test_a_compiled_max_pool_is_the_kernel_as_it_is():
     """Under torch.compile the Triton module's max_pool stays one opaque op that inductor
     calls as it is (inductor's compiled torch form of it was slower, docs/BENCHMARKS.md),
@@ -475,26 +454,22 @@ def test_batch_norm_backward(dtype, shape, relu, gradient_tiles, monkeypatch):
 
 def test_a_resnet_with_the_batch_norm_kernels_keeps_its_forward_and_gradients():
     """BatchNorms with the kernels' statistics and backward, and the ReLUs folded into them
-    (torchvision's Bottleneck, BasicBlock and stem, the CIFAR ResNet's block), and
-    torchvision's stem pooling its BatchNorm's output in one op, computed in float64 by the
-    torch reference: the logits, every gradient, the running statistics and the evaluation
-    output of the unchanged models."""
+    (torchvision's Bottleneck, BasicBlock and stem, the CIFAR ResNet's block), computed in
+    float64 by the torch reference: the logits, every gradient, the running statistics and
+    the evaluation output of the unchanged models."""
     import copy
 
     import torchvision
 
     from trainer.models import CifarResNet
-    from trainer.norm import BatchNorm2d, ResNet, use_batch_norm_kernels
-    from trainer.pooling import use_max_pool_kernel
+    from trainer.norm import BatchNorm2d, use_batch_norm_kernels
     torch.manual_seed(0)
     x = rand(4, 3, 48, 48).double()
     for model, count in ((torchvision.models.resnet50(num_classes=10), 53),
                          (torchvision.models.resnet18(num_classes=10), 20), (CifarResNet(8, 8, 10), 9)):
         plain = model.to(DEVICE, torch.float64)
         swapped = copy.deepcopy(plain)
-        use_max_pool_kernel(swapped, reference)
         assert use_batch_norm_kernels(swapped, reference) == count
-        assert (type(swapped) is ResNet) == (count != 9)
         fused = [m for m in swapped.modules() if type(m) is BatchNorm2d and m.relu]
         assert len(fused) == {53: 33, 20: 9, 9: 3}[count]
         outs = []
@@ -554,51 +529,6 @@ def test_folded_evaluation_keeps_a_fused_relu():
                 bn.forward = FoldedForward(scale, bn.bias.detach() - bn.running_mean * scale, getattr(bn, "relu", False))
     x = rand(2, 3, 16, 16)
     torch.testing.assert_close(swapped(x), plain(x))
-
-
-def test_a_resnet_stem_with_the_triton_kernels_keeps_its_forward_and_gradients():
-    """torchvision's stem with the Triton kernels, the max-pool normalizing its BatchNorm's
-    input as it loads it: the gradients and running statistics of the unchanged model, in
-    fp32."""
-    from trainer.norm import use_batch_norm_kernels
-    from trainer.pooling import use_max_pool_kernel
-
-    def both(model, kernels):
-        use_max_pool_kernel(model, kernels)
-        return use_batch_norm_kernels(model, kernels)
-
-    plain, swapped, _ = resnet18_and_swapped(both, triton_ops)
-    x = rand(2, 3, 48, 48).to(memory_format=torch.channels_last)  # 8 values a channel in the last BatchNorms
-    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
-        for model in (plain, swapped):
-            model(x).square().sum().backward()
-    for (name, p), q in zip(plain.named_parameters(), swapped.parameters()):
-        assert rel_err(q.grad, p.grad.double()) < 1e-4, name
-    for (name, p), q in zip(plain.named_buffers(), swapped.buffers()):
-        if not name.endswith("num_batches_tracked"):
-            assert rel_err(q, p.double()) < 1e-5, name
-
-
-def test_a_compiled_resnet_stem_pools_its_convolution_output():
-    """Under compile the stem's max-pool is the kernel normalizing as it loads: the forward
-    calls max_pool, with a scale and shift, on the very buffer whose statistics it took,
-    not on a normalized copy."""
-    import torchvision
-    from torch._inductor.utils import run_and_get_code
-
-    from trainer.norm import use_batch_norm_kernels
-    from trainer.pooling import use_max_pool_kernel
-    torch.manual_seed(0)
-    model = torchvision.models.ResNet(torchvision.models.resnet.BasicBlock, [1, 1, 1, 1], num_classes=4)
-    model = model.to(DEVICE, memory_format=torch.channels_last)
-    use_max_pool_kernel(model, triton_ops)
-    use_batch_norm_kernels(model, triton_ops)
-    compiled = torch.compile(model, dynamic=False)
-    x = rand(2, 3, 32, 32).to(memory_format=torch.channels_last)
-    _, code = run_and_get_code(lambda: compiled(x).square().sum().backward())
-    stem = re.search(r"trainer\.batch_norm_stats_\.default\((\w+),", code[0]).group(1)
-    assert re.search(rf"trainer\.max_pool\.default\({stem}, \[3, 3\], \[2, 2\], \[1, 1\], \w+, \w+\)", code[0])
-    assert "trainer.max_pool_backward.default" in code[1]
 
 
 @pytest.mark.skipif(not ON_GPU, reason="inductor compiles the model around the kernels for the GPU")

@@ -10,15 +10,7 @@ import torch
 import torchvision
 from torch import nn
 
-from kernels.reference import memory_format
 from trainer import models
-from trainer.pooling import MaxPool2d
-
-
-def _scale_shift(weight, bias, mean, invstd):
-    """BatchNorm as x * scale + shift, per channel, from the batch's statistics."""
-    scale = weight * invstd
-    return scale, bias - mean * scale
 
 
 class _BatchNorm(torch.autograd.Function):
@@ -26,7 +18,8 @@ class _BatchNorm(torch.autograd.Function):
     def forward(ctx, x, weight, bias, mean, invstd, relu, backward):
         ctx.save_for_backward(x, weight, bias, mean, invstd)
         ctx.relu, ctx.backward = relu, backward
-        scale, shift = _scale_shift(weight, bias, mean, invstd)
+        scale = weight * invstd
+        shift = bias - mean * scale
         y = x * scale.view(1, -1, 1, 1) + shift.view(1, -1, 1, 1)  # in fp32 for half x
         y = torch.relu(y) if relu else y
         # no .to() that changes nothing: torch 2.11 compiles a Function whose output is
@@ -40,26 +33,6 @@ class _BatchNorm(torch.autograd.Function):
         return grad_x, grad_weight.to(weight.dtype), grad_bias.to(bias.dtype), None, None, None, None
 
 
-class _BatchNormMaxPool(torch.autograd.Function):
-    """max_pool(relu(BatchNorm(x))): the pool normalizes x as it loads it, so the normalized
-    tensor (at ResNet-50's stem 4x the pool's output, 411 MB at batch 256) is never written
-    nor read again. Backward is the pool's, then the BatchNorm's with its ReLU."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, mean, invstd, pool, pool_backward, backward, window):
-        y, arg = pool(x, *window, *_scale_shift(weight, bias, mean, invstd))
-        ctx.save_for_backward(x, weight, bias, mean, invstd, arg)
-        ctx.pool_backward, ctx.backward, ctx.window = pool_backward, backward, window
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, weight, bias, mean, invstd, arg = ctx.saved_tensors
-        grad_y = ctx.pool_backward(grad_out, arg, list(x.shape), memory_format(x) == torch.channels_last, *ctx.window)
-        grad_x, grad_weight, grad_bias = ctx.backward(grad_y, x, mean, invstd, weight, bias, True)
-        return grad_x, grad_weight.to(weight.dtype), grad_bias.to(bias.dtype), None, None, None, None, None, None
-
-
 class BatchNorm2d(nn.BatchNorm2d):
     """nn.BatchNorm2d (affine, running statistics with a momentum), then a ReLU when
     `self.relu`. In training the statistics (and the running statistics' update) are
@@ -71,18 +44,6 @@ class BatchNorm2d(nn.BatchNorm2d):
         if not self.training:
             y = super().forward(x)
             return torch.relu(y) if self.relu else y
-        return _BatchNorm.apply(x, self.weight, self.bias, *self._statistics(x), self.relu, self.backward_kernel)
-
-    def pooled(self, x, pool):
-        """pool(self(x)); in training, with the ReLU and the kernels' max-pool, without writing
-        self(x) (_BatchNormMaxPool)."""
-        if not (self.training and self.relu and type(pool) is MaxPool2d):
-            return pool(self(x))
-        return _BatchNormMaxPool.apply(x, self.weight, self.bias, *self._statistics(x), pool.pool_kernel,
-                                       pool.backward_kernel, self.backward_kernel, pool.window())
-
-    def _statistics(self, x):
-        """The batch's mean and inverse standard deviation, the running statistics moved."""
         if x.numel() <= x.shape[1]:  # as batch_norm refuses it: the unbiased variance divides by count - 1
             raise ValueError(f"BatchNorm in training needs more than 1 value per channel, got input of shape "
                              f"{list(x.shape)}")
@@ -90,17 +51,7 @@ class BatchNorm2d(nn.BatchNorm2d):
         mean, invstd = self.stats_kernel(x.detach(), self.running_mean, self.running_var, self.momentum, self.eps)
         if self.num_batches_tracked is not None:  # the trainer's binding drops it: the step counts
             self.num_batches_tracked.add_(1)
-        return mean, invstd
-
-
-class ResNet(torchvision.models.ResNet):
-    """torchvision's, with the stem's max-pool normalizing its BatchNorm's input in training
-    (BatchNorm2d.pooled)."""
-
-    def _forward_impl(self, x):
-        x = self.bn1.pooled(self.conv1(x), self.maxpool)
-        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
-        return self.fc(torch.flatten(self.avgpool(x), 1))
+        return _BatchNorm.apply(x, self.weight, self.bias, mean, invstd, self.relu, self.backward_kernel)
 
 
 class Bottleneck(torchvision.models.resnet.Bottleneck):
@@ -134,9 +85,8 @@ _FUSED = {torchvision.models.resnet.Bottleneck: (Bottleneck, ("bn1", "bn2")),
 
 def use_batch_norm_kernels(model: nn.Module, kernels) -> int:
     """Give the model's nn.BatchNorm2d modules the kernels' statistics and backward, and fold
-    each ReLU that a ResNet block (or torchvision's stem) applies right after one into it;
-    torchvision's stem pools its BatchNorm's input, normalized as the pool loads it, where
-    its max-pool is trainer.pooling's (use_max_pool_kernel). Returns how many BatchNorms."""
+    each ReLU that a ResNet block (or torchvision's stem) applies right after one into it.
+    Returns how many BatchNorms."""
     swapped = 0
     for m in model.modules():
         if type(m) is nn.BatchNorm2d and m.affine and m.track_running_stats and m.momentum is not None:
@@ -151,5 +101,4 @@ def use_batch_norm_kernels(model: nn.Module, kernels) -> int:
                 getattr(m, n).relu = True
     if type(model) is torchvision.models.ResNet and type(model.bn1) is BatchNorm2d and type(model.relu) is nn.ReLU:
         model.bn1.relu, model.relu = True, nn.Identity()
-        model.__class__ = ResNet
     return swapped

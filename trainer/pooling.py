@@ -31,12 +31,9 @@ class MaxPool2d(nn.MaxPool2d):
     positions `self.backward_kernel` reads."""
 
     def forward(self, x):
-        return _MaxPool.apply(x, self.pool_kernel, self.backward_kernel, *self.window())
-
-    def window(self) -> tuple[list[int], list[int], list[int]]:
-        """The kernels' kernel, stride and padding."""
         stride = self.stride if self.stride else self.kernel_size  # nn.MaxPool2d's default
-        return list(_pair(self.kernel_size)), list(_pair(stride)), list(_pair(self.padding))
+        return _MaxPool.apply(x, self.pool_kernel, self.backward_kernel, list(_pair(self.kernel_size)),
+                              list(_pair(stride)), list(_pair(self.padding)))
 
 
 def use_max_pool_kernel(model: nn.Module, kernels) -> int:
