@@ -52,8 +52,8 @@ def sums(inputs):
 
 def statistics(impl, inputs):
     """ms of every layer's statistics, each moving running statistics of its own."""
-    running = [(m.clone(), s.clone()) for _, _, m, s, *_ in inputs]
-    return graph_ms(lambda: [impl.batch_norm_stats_(x, *r, 0.1, 1e-5) for (_, x, *_), r in zip(inputs, running)],
+    running = [torch.stack((m, s)) for _, _, m, s, *_ in inputs]
+    return graph_ms(lambda: [impl.batch_norm_stats_(x, r, 0.1, 1e-5) for (_, x, *_), r in zip(inputs, running)],
                     calls=2)
 
 

@@ -229,8 +229,8 @@ def batch_norm_rows():
                 for fn in ("batch_norm_stats_", "batch_norm_backward")}
     for c, hw in ((64, 56), (256, 56)):
         g, x, *rest = batch_norm_inputs(c, hw, gen)
-        running = torch.zeros(c, device=DEVICE), torch.ones(c, device=DEVICE)
-        args = {"batch_norm_stats_": (x, *running, 0.1, 1e-5), "batch_norm_backward": (g, x, *rest, True)}
+        running = torch.stack((torch.zeros(c, device=DEVICE), torch.ones(c, device=DEVICE)))
+        args = {"batch_norm_stats_": (x, running, 0.1, 1e-5), "batch_norm_backward": (g, x, *rest, True)}
         for fn, nbytes in (("batch_norm_stats_", 2 * x.numel()), ("batch_norm_backward", 10 * x.numel())):
             truth = getattr(reference, fn)(*[a.double() if torch.is_tensor(a) else a for a in args[fn]])
             err = max(max_rel_err(t.double(), r) for t, r in zip(getattr(triton_ops, fn)(*args[fn]), truth))

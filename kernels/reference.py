@@ -189,15 +189,15 @@ def _at_least_fp32(x):
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def batch_norm_stats_(x, running_mean, running_var, momentum: float, eps: float):
+def batch_norm_stats_(x, running, momentum: float, eps: float):
     """BatchNorm's training statistics over (N, H, W): each channel's mean and inverse
     standard deviation 1 / sqrt(biased variance + eps), in fp32 (or x's wider type); and
-    running_mean and running_var moved toward the batch's mean and unbiased variance by
-    `momentum`, in place, as nn.BatchNorm2d moves them."""
+    the running mean and variance, the rows of `running` (2, C), moved toward the batch's
+    mean and unbiased variance by `momentum`, in place, as nn.BatchNorm2d moves them (one
+    tensor: trainer.norm.running_statistics says why)."""
     count = x.numel() // x.shape[1]
     var, mean = torch.var_mean(_at_least_fp32(x), dim=(0, 2, 3), correction=0)
-    running_mean.lerp_(mean.to(running_mean.dtype), momentum)
-    running_var.lerp_((var * (count / (count - 1))).to(running_var.dtype), momentum)
+    running.lerp_(torch.stack((mean, var * (count / (count - 1)))).to(running.dtype), momentum)
     return mean, torch.rsqrt(var + eps)
 
 

@@ -631,24 +631,25 @@ def _bn_reduce(x_rows, g_rows, mean, invstd, weight, bias, out1, out2, relu: boo
                                            STAGES=tiles.stages, num_warps=tiles.warps)
 
 
-@torch.library.custom_op("trainer::batch_norm_stats_", mutates_args=("running_mean", "running_var"))
-def batch_norm_stats_(x: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor, momentum: float,
-                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+@torch.library.custom_op("trainer::batch_norm_stats_", mutates_args=("running",))
+def batch_norm_stats_(x: torch.Tensor, running: torch.Tensor, momentum: float, eps: float
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """kernels.reference.batch_norm_stats_ in one pass over x, the running statistics moved
     by the last program of each channel block: no kernels of their own. Under compile=true
-    inductor calls it in place on the running statistics (a mutating custom op)."""
-    if not all(t.dtype == torch.float32 and t.is_contiguous() for t in (running_mean, running_var)):
-        raise TypeError("the BatchNorm kernels update contiguous fp32 running statistics")
+    inductor calls it in place on the running statistics (a mutating custom op), one tensor
+    (trainer.norm.running_statistics says why)."""
+    if running.dtype != torch.float32 or running.stride(1) != 1:
+        raise TypeError("the BatchNorm kernels update fp32 running statistics with contiguous rows")
     rows = _rows(x)
     mean = torch.empty(x.shape[1], dtype=torch.float32, device=x.device)
     invstd = torch.empty_like(mean)
-    _bn_reduce(rows, None, running_mean, running_var, None, None, mean, invstd, relu=False, backward=False,
+    _bn_reduce(rows, None, running[0], running[1], None, None, mean, invstd, relu=False, backward=False,
                momentum=momentum, eps=eps)
     return mean, invstd
 
 
 @batch_norm_stats_.register_fake
-def _(x, running_mean, running_var, momentum, eps):
+def _(x, running, momentum, eps):
     return x.new_empty(x.shape[1], dtype=torch.float32), x.new_empty(x.shape[1], dtype=torch.float32)
 
 

@@ -394,18 +394,17 @@ def test_batch_norm_stats(dtype, shape):
     (toward the unbiased variance)."""
     x = (rand(*shape, dtype=torch.float32) * 0.5 + 40).to(dtype)
     for layout in (torch.channels_last, torch.contiguous_format):
-        running_mean, running_var = rand(shape[1], seed=4), rand(shape[1], seed=5).abs() + 0.5
+        running = torch.stack((rand(shape[1], seed=4), rand(shape[1], seed=5).abs() + 0.5))
         torch_bn = torch.nn.BatchNorm2d(shape[1], device=DEVICE, dtype=torch.float64)
-        torch_bn.running_mean.copy_(running_mean)
-        torch_bn.running_var.copy_(running_var)
-        want_mean, want_invstd = truth("batch_norm_stats_", x, running_mean, running_var, 0.1, 1e-5)
-        mean, invstd = triton_ops.batch_norm_stats_(x.contiguous(memory_format=layout), running_mean, running_var,
-                                                    0.1, 1e-5)
+        torch_bn.running_mean.copy_(running[0])
+        torch_bn.running_var.copy_(running[1])
+        want_mean, want_invstd = truth("batch_norm_stats_", x, running, 0.1, 1e-5)
+        mean, invstd = triton_ops.batch_norm_stats_(x.contiguous(memory_format=layout), running, 0.1, 1e-5)
         assert mean.dtype == invstd.dtype == torch.float32
         assert (mean.double() - want_mean).abs().max() < 4e-6 and rel_err(invstd, want_invstd) < 1e-4
         torch_bn(x.double())
-        assert (running_mean.double() - torch_bn.running_mean).abs().max() < 1e-6
-        assert rel_err(running_var, torch_bn.running_var) < 1e-4
+        assert (running[0].double() - torch_bn.running_mean).abs().max() < 1e-6
+        assert rel_err(running[1], torch_bn.running_var) < 1e-4
 
 
 def test_a_batch_norm_with_the_kernels_needs_two_values_per_channel():
@@ -420,10 +419,9 @@ def test_batch_norm_reductions_count_in_one_place_for_good():
     """The reductions' counters stay where the first launch put them, however many channel
     blocks a later one has: a captured graph replays with the address it was captured with."""
     small, x = rand(2, 16, 3, 3), rand(2, 5000, 1, 3)  # 1 and 79 blocks of 64 channels
-    triton_ops.batch_norm_stats_(small, torch.zeros(16, device=DEVICE), torch.ones(16, device=DEVICE), 0.1, 1e-5)
+    triton_ops.batch_norm_stats_(small, torch.zeros(2, 16, device=DEVICE), 0.1, 1e-5)
     where = triton_ops._COUNTERS[small.device].data_ptr()
-    mean, _ = triton_ops.batch_norm_stats_(x, torch.zeros(5000, device=DEVICE), torch.ones(5000, device=DEVICE), 0.1,
-                                           1e-5)
+    mean, _ = triton_ops.batch_norm_stats_(x, torch.zeros(2, 5000, device=DEVICE), 0.1, 1e-5)
     assert triton_ops._COUNTERS[x.device].data_ptr() == where
     assert (mean.double() - batch_stats(x)[0]).abs().max() < 1e-5
 
@@ -505,6 +503,41 @@ def test_a_compiled_model_with_the_triton_batch_norm_moves_its_running_statistic
     for (name, want), got in zip(plain.named_buffers(), swapped.buffers()):
         if not name.endswith("num_batches_tracked"):
             assert rel_err(got, want.double()) < 1e-5, name
+
+
+def test_a_compiled_model_moves_the_running_statistics_in_the_arena_in_place():
+    """A model bound to the arena, its BatchNorms on the Triton kernels, compiled: the
+    statistics op moves each BatchNorm's running mean and variance, two slots of the arena's
+    one storage, in place. Passed as two mutated tensors, inductor moved only the first in
+    place and, for the second, cloned the arena up to its slot and copied the slot back: two
+    as_strided kernels a BatchNorm. After two steps B_NEXT holds nn.BatchNorm2d's
+    statistics, and B_PREV is untouched."""
+    import copy
+
+    from torch._inductor.utils import run_and_get_code
+
+    from tests.helpers import bound, small_cnn
+    from trainer.norm import use_batch_norm_kernels
+    from trainer.regions import Region as R
+    plain = small_cnn(layers=3).to(memory_format=torch.channels_last)
+    model = copy.deepcopy(plain)
+    plans, arena, _ = bound(model)
+    assert use_batch_norm_kernels(model, triton_ops) == 3
+    prev = arena.flat(R.B_PREV_MEAN, R.B_PREV_VAR).clone()
+    compiled = torch.compile(model, dynamic=False)
+    batches = [rand(4, 3, 8, 8, seed=seed).to(memory_format=torch.channels_last) for seed in range(2)]
+    step = lambda x: compiled(x).square().sum().backward()  # noqa: E731
+    _, code = run_and_get_code(step, batches[0])  # it resets dynamo: one call only
+    step(batches[1])
+    for x in batches:
+        plain(x)
+    assert len(code) == 2 and "trainer.batch_norm_stats_.default" in code[0]
+    assert not re.search(r"as_strided_(clone|copy)", code[0]), "the running statistics went through copies"
+    norms = dict(plain.named_modules())
+    for name, s in plans.tensors["train_base"].bn.items():
+        for slot, want in ((s.next_mean, norms[name].running_mean), (s.next_var, norms[name].running_var)):
+            torch.testing.assert_close(arena[slot], want, rtol=1e-5, atol=1e-6, msg=name)
+    assert torch.equal(arena.flat(R.B_PREV_MEAN, R.B_PREV_VAR), prev)
 
 
 def test_folded_evaluation_keeps_a_fused_relu():

@@ -48,7 +48,7 @@ class BatchNorm2d(nn.BatchNorm2d):
             raise ValueError(f"BatchNorm in training needs more than 1 value per channel, got input of shape "
                              f"{list(x.shape)}")
         # the kernel also moves the running statistics, as batch_norm does; nothing here needs grad
-        mean, invstd = self.stats_kernel(x.detach(), self.running_mean, self.running_var, self.momentum, self.eps)
+        mean, invstd = self.stats_kernel(x.detach(), self.running_statistics, self.momentum, self.eps)
         if self.num_batches_tracked is not None:  # the trainer's binding drops it: the step counts
             self.num_batches_tracked.add_(1)
         return _BatchNorm.apply(x, self.weight, self.bias, mean, invstd, self.relu, self.backward_kernel)
@@ -93,6 +93,7 @@ def use_batch_norm_kernels(model: nn.Module, kernels) -> int:
             m.__class__, m.stats_kernel, m.backward_kernel = BatchNorm2d, kernels.batch_norm_stats_, \
                 kernels.batch_norm_backward
             swapped += 1
+            m.running_statistics = running_statistics(m)
     for m in model.modules():
         twin, norms = _FUSED.get(type(m), (None, ()))
         if twin is not None and all(type(getattr(m, n)) is BatchNorm2d for n in norms):
@@ -102,3 +103,22 @@ def use_batch_norm_kernels(model: nn.Module, kernels) -> int:
     if type(model) is torchvision.models.ResNet and type(model.bn1) is BatchNorm2d and type(model.relu) is nn.ReLU:
         model.bn1.relu, model.relu = True, nn.Identity()
     return swapped
+
+
+def running_statistics(bn: nn.BatchNorm2d) -> torch.Tensor:
+    """bn's running mean and variance as the rows of one (2, C) tensor, which the statistics
+    kernel moves in place: a view over their two arena slots once bind() has put them there,
+    else a new tensor whose rows become bn's running_mean and running_var. One tensor
+    because inductor moves only one of an op's mutated inputs per storage in place: given
+    the two slots of the arena's one storage, it cloned the arena from its start to the
+    second slot and copied that slot back, two kernels a BatchNorm (and torch 2.11's clone
+    read from the slot instead of the storage's start, so the running variances came out
+    wrong). Made after bind(), over B_NEXT, which evaluation points BatchNorm away from and
+    back to (use_statistics)."""
+    mean, var = bn.running_mean, bn.running_var
+    gap = var.storage_offset() - mean.storage_offset()
+    if var.untyped_storage().data_ptr() == mean.untyped_storage().data_ptr() and gap >= len(mean):
+        return mean.as_strided((2, len(mean)), (gap, 1))
+    both = torch.stack((mean, var))
+    bn.running_mean, bn.running_var = both
+    return both
