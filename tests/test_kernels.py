@@ -540,6 +540,17 @@ def test_a_compiled_model_moves_the_running_statistics_in_the_arena_in_place():
     assert torch.equal(arena.flat(R.B_PREV_MEAN, R.B_PREV_VAR), prev)
 
 
+def test_running_statistics_that_cannot_be_one_view_are_refused():
+    """Slots of one storage that no (2, C) view covers (the variance before the mean) are
+    refused: a copy would leave training moving statistics that evaluation never reads."""
+    from trainer.errors import PlanError
+    from trainer.norm import running_statistics
+    bn, storage = torch.nn.BatchNorm2d(8), torch.zeros(16)
+    bn.running_var, bn.running_mean = storage[:8], storage[8:]
+    with pytest.raises(PlanError, match="after its running mean"):
+        running_statistics(bn)
+
+
 def test_folded_evaluation_keeps_a_fused_relu():
     """fold_bn evaluates each BatchNorm as x * scale + bias: where the ReLU after it was
     folded into the BatchNorm, the folded forward applies it too."""

@@ -11,6 +11,7 @@ import torchvision
 from torch import nn
 
 from trainer import models
+from trainer.errors import PlanError
 
 
 class _BatchNorm(torch.autograd.Function):
@@ -116,9 +117,12 @@ def running_statistics(bn: nn.BatchNorm2d) -> torch.Tensor:
     wrong). Made after bind(), over B_NEXT, which evaluation points BatchNorm away from and
     back to (use_statistics)."""
     mean, var = bn.running_mean, bn.running_var
+    if var.untyped_storage().data_ptr() != mean.untyped_storage().data_ptr():
+        both = torch.stack((mean, var))
+        bn.running_mean, bn.running_var = both
+        return both
     gap = var.storage_offset() - mean.storage_offset()
-    if var.untyped_storage().data_ptr() == mean.untyped_storage().data_ptr() and gap >= len(mean):
-        return mean.as_strided((2, len(mean)), (gap, 1))
-    both = torch.stack((mean, var))
-    bn.running_mean, bn.running_var = both
-    return both
+    if gap < len(mean):  # a copy would leave the arena's slots behind: training would move the copy
+        raise PlanError(f"a BatchNorm's running variance must lie after its running mean in the arena, "
+                        f"{gap} elements apart is fewer than its {len(mean)} channels")
+    return mean.as_strided((2, len(mean)), (gap, 1))
