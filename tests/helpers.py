@@ -24,11 +24,11 @@ def small_cnn(layers: int = 2, seed: int = 0, width: int = 8, classes: int = 5) 
 
 
 def bound(model: nn.Module, steps: int = 20, batch: int = 4, resolution: int = 8, classes: int = 5,
-          kernels=reference, **config):
-    """(plans, arena, ops) for `model` bound into a fresh CPU arena."""
+          kernels=reference, device="cpu", **config):
+    """(plans, arena, ops) for `model` bound into a fresh arena on `device`."""
     plans = build_plans(model, PlanConfig(schedule_steps=steps, **config),
                         derive_variants(16 * batch, 4 * batch, batch, batch, resolution), classes)
-    arena = Arena(plans.main)
+    arena = Arena(plans.main, device)
     bind(model, plans.tensors["train_base"], arena)
     return plans, arena, RangeOps(plans.main, arena, kernels)
 

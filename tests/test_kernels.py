@@ -519,9 +519,9 @@ def test_a_compiled_model_moves_the_running_statistics_in_the_arena_in_place():
     from tests.helpers import bound, small_cnn
     from trainer.norm import use_batch_norm_kernels
     from trainer.regions import Region as R
-    plain = small_cnn(layers=3).to(memory_format=torch.channels_last)
+    plain = small_cnn(layers=3).to(DEVICE, memory_format=torch.channels_last)
     model = copy.deepcopy(plain)
-    plans, arena, _ = bound(model)
+    plans, arena, _ = bound(model, device=DEVICE)
     assert use_batch_norm_kernels(model, triton_ops) == 3
     prev = arena.flat(R.B_PREV_MEAN, R.B_PREV_VAR).clone()
     compiled = torch.compile(model, dynamic=False)
