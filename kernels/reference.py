@@ -145,11 +145,16 @@ def crop_flip_normalize_(images, labels, table, mean, inv_std, out, out_label, o
 
 
 # -- model ops ---------------------------------------------------------------------------
+def layout(channels_last: bool):
+    """The memory format a channels_last flag names (the model ops take the flag: a custom
+    op's schema has no memory-format type)."""
+    return torch.channels_last if channels_last else torch.contiguous_format
+
+
 def memory_format(x):
     """The layout max_pool2d gives its output: channels-last where x is (and not also plainly
     contiguous)."""
-    channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
-    return torch.channels_last if channels_last else torch.contiguous_format
+    return layout(x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous())
 
 
 def _window_corners(oh, ow, stride, padding, device):
@@ -182,7 +187,7 @@ def max_pool_backward(grad_out, arg, input_shape, channels_last: bool, kernel, s
     like = grad_out.new_empty(()).expand(input_shape)  # ATen's backward reads only its shape
     dx = torch.ops.aten.max_pool2d_with_indices_backward(grad_out, like, kernel, stride, padding, [1, 1], False,
                                                          indices)
-    return dx.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    return dx.contiguous(memory_format=layout(channels_last))
 
 
 def _at_least_fp32(x):

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import CHUNK, TABLE_COLUMNS, memory_format
+from kernels.reference import CHUNK, TABLE_COLUMNS, layout, memory_format
 
 # Memory-bound kernels: 4096 elements per program gives a 25.6M-element range 6250 programs
 # (several waves on 132 SMs), and at 8 warps each thread moves 16 fp32 per tensor as four
@@ -453,8 +453,7 @@ def max_pool_backward(grad_out: torch.Tensor, arg: torch.Tensor, input_shape: li
 
 @max_pool_backward.register_fake
 def _max_pool_grad(grad_out, arg, input_shape, channels_last, kernel, stride, padding):
-    layout = torch.channels_last if channels_last else torch.contiguous_format
-    return torch.empty(input_shape, dtype=grad_out.dtype, device=grad_out.device, memory_format=layout)
+    return torch.empty(input_shape, dtype=grad_out.dtype, device=grad_out.device, memory_format=layout(channels_last))
 
 
 # BatchNorm over channels-last activations, seen as the (rows = N*H*W, C) matrix of their

@@ -262,7 +262,7 @@ def test_max_pool(dtype, kernel, stride, padding, channels_last):
     g = torch.Generator().manual_seed(0)
     x = torch.randint(-2, 3, (3, 70, 11, 9), generator=g).to(dtype)
     x[1, 5, 4, 4] = float("nan")
-    x = x.to(DEVICE, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    x = x.to(DEVICE, memory_format=reference.layout(channels_last))
     y, indices = torch.ops.aten.max_pool2d_with_indices(x, kernel, stride, padding)
     grad_out = torch.randint(-4, 5, y.shape, generator=g).to(DEVICE, dtype)
     dx = torch.ops.aten.max_pool2d_with_indices_backward(grad_out, x, kernel, stride, padding, [1, 1], False, indices)
