@@ -345,16 +345,17 @@ def test_cutout_beyond_the_resident_small_images_is_refused(overrides):
         config(*overrides)
 
 
-def test_compile_options_reach_inductor_with_their_dotted_names():
+def test_compile_options_reach_inductor_with_their_dotted_names_over_the_defaults():
     """The compiled forward of every program runs under the options; nested groups arrive
-    with inductor's dotted names."""
+    with inductor's dotted names, and a given option overrides the trainer's default."""
     from trainer.setup import assemble
-    cfg = config(*TINY, "compile=true", "+compile_options.coordinate_descent_tuning=true",
+    cfg = config(*TINY, "compile=true", "+compile_options.coordinate_descent_tuning=false",
                  "+compile_options.triton.persistent_reductions=false")
     engine = assemble(cfg, torch.device("cpu"))
     for program in engine.programs.values():
         inductor = program.forward.get_compiler_config()
-        assert inductor["coordinate_descent_tuning"] is True and inductor["triton.persistent_reductions"] is False
+        assert inductor["coordinate_descent_tuning"] is False and inductor["triton.persistent_reductions"] is False
+        assert inductor["aggressive_fusion"] is True  # INDUCTOR_DEFAULTS
 
 
 def test_a_compiled_run_with_folded_evaluation_compiles_training_and_evaluation_once(tmp_path):
@@ -370,6 +371,23 @@ def test_a_compiled_run_with_folded_evaluation_compiles_training_and_evaluation_
     Trainer(config(*TINY, "compile=true", "fold_bn=true", "trainer.epochs=2", "model=cifar_resnet20_narrow",
                    "data.resolution=16"), tmp_path, Dist()).fit()
     assert counters["frames"]["ok"] == 2  # the training step's forward, the evaluation's
+
+
+def test_a_new_process_takes_the_compiled_step_from_the_caches(tmp_path, monkeypatch):
+    """A second compile of the same step (as a new process makes it) comes from AOTAutograd's
+    cache and inductor's, though the model's BatchNorms and max-pool are custom autograd
+    Functions, which AOTAutograd's cache refuses by default: without it every process traced
+    and partitioned forward and backward again."""
+    from torch._dynamo.utils import counters
+    from trainer.setup import assemble
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    cfg = config(*TINY, "compile=true", "model=resnet18", "data.resolution=32", "data.num_classes=10")
+    for _ in range(2):
+        torch._dynamo.reset()  # forgets the compiled code, as a new process would not have it
+        counters.clear()
+        engine = assemble(cfg, torch.device("cpu"))
+        engine.executor.run("train_base", "A")
+    assert counters["aot_autograd"]["autograd_cache_hit"] == 1 and not counters["aot_autograd"]["autograd_cache_bypass"]
 
 
 def test_set_up_gives_the_stem_pool_the_kernels_backward():

@@ -141,8 +141,8 @@ class TrainConfig:
     graphs: bool = True  # on a GPU, replay captured CUDA graphs; false runs the same program eagerly
     kernels: str = "auto"  # auto | torch | triton: implementation of the range ops
     compile: bool = False  # run inductor on forward and backward inside the captured step
-    # inductor settings for compile=true, e.g. +compile_options.coordinate_descent_tuning=true
-    # (tunes each fused kernel's launch configuration: a faster step for a longer first compile)
+    # inductor settings for compile=true, over INDUCTOR_DEFAULTS, e.g.
+    # +compile_options.coordinate_descent_tuning=false for a shorter first compile
     compile_options: dict[str, Any] = field(default_factory=dict)
     device: str = "auto"  # auto | cpu | cuda
     checkpoint: str = ""  # eval / export: the checkpoint to read (default: the newest of the run)
@@ -248,13 +248,25 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
-def compile_options(cfg: TrainConfig) -> dict[str, Any]:
+# What compile=true asks of inductor unless compile_options says otherwise: tuning each
+# fused kernel's launch configuration, and fusing kernels that share no reads. Each made
+# ResNet-50's compiled step faster on an H200 (docs/BENCHMARKS.md, session N); the tuning
+# makes a machine's first compile longer, and inductor's cache keeps its result.
+INDUCTOR_DEFAULTS = {"coordinate_descent_tuning": True, "aggressive_fusion": True}
+
+
+def _given_options(cfg: TrainConfig) -> dict[str, Any]:
     """compile_options as inductor names them: nested groups joined with dots, so that
     +compile_options.triton.persistent_reductions=false reaches triton.persistent_reductions."""
     def flat(options, prefix=""):
         for key, value in options.items():
             yield from flat(value, f"{prefix}{key}.") if isinstance(value, dict) else [(prefix + key, value)]
     return dict(flat(cfg.compile_options))
+
+
+def compile_options(cfg: TrainConfig) -> dict[str, Any]:
+    """The inductor settings of compile=true: INDUCTOR_DEFAULTS, overridden by compile_options."""
+    return INDUCTOR_DEFAULTS | _given_options(cfg)
 
 
 def _validate_compile_options(cfg: TrainConfig):
@@ -264,7 +276,7 @@ def _validate_compile_options(cfg: TrainConfig):
         raise ConfigError("compile_options only apply with compile=true; add compile=true or drop them")
     from torch._inductor import config as inductor
     settings = inductor.get_config_copy()
-    for key, value in compile_options(cfg).items():
+    for key, value in _given_options(cfg).items():
         if key not in settings:
             raise ConfigError(f"compile_options.{key}: not an inductor setting (see torch/_inductor/config.py)")
         default = settings[key]

@@ -60,6 +60,18 @@ def make_plans(cfg: TrainConfig, world: int = 1) -> tuple[nn.Module, Plans, int]
     return model, build_plans(model, plan_config(cfg, steps, world), variants, cfg.model.num_classes), per_epoch
 
 
+def compiled(model: nn.Module, cfg: TrainConfig) -> nn.Module:
+    """The model under torch.compile: inductor fuses forward and backward, and the Executor
+    captures its kernels in the step graph. AOTAutograd's cache is let take graphs with
+    custom autograd Functions (trainer/norm.py's BatchNorm, trainer/pooling.py's max-pool),
+    which it leaves out by default: without it every process traced and partitioned
+    forward and backward again, and only inductor's part of the compile came from the
+    cache. Their backward is traced into the graph that keys the cache."""
+    from torch._functorch import config as aot_config
+    aot_config.autograd_cache_allow_custom_autograd_functions = True
+    return torch.compile(model, dynamic=False, options=compile_options(cfg))
+
+
 @dataclass
 class Engine:
     """Everything a step needs, bound together: the model computing in the arena, the range
@@ -114,8 +126,7 @@ def assemble(cfg: TrainConfig, device: torch.device, world: int = 1,
                      t.grad_scale_init)
     ops.set_ema_decay(cfg.ema_decay)
     grad_sync = grad_sync_factory(ops) if grad_sync_factory is not None else None
-    # Inductor fuses forward and backward; the Executor captures its kernels in the step graph.
-    forward = torch.compile(model, dynamic=False, options=compile_options(cfg)) if cfg.compile else model
+    forward = compiled(model, cfg) if cfg.compile else model
     programs = {(v.name, b): Program(v, b, model, plans.tensors[v.name], arena, ops, t.label_smoothing,
                                      cfg.data.tta, grad_sync, forward, tuple(late_frozen))
                 for v in plans.variants for b in BUFFERS}
