@@ -345,17 +345,18 @@ def test_cutout_beyond_the_resident_small_images_is_refused(overrides):
         config(*overrides)
 
 
-def test_compile_options_reach_inductor_with_their_dotted_names_over_the_defaults():
+@pytest.mark.parametrize("tuning", [None, False])
+def test_compile_options_reach_inductor_with_their_dotted_names_over_the_defaults(tuning):
     """The compiled forward of every program runs under the options; nested groups arrive
     with inductor's dotted names, and a given option overrides the trainer's default."""
     from trainer.setup import assemble
-    cfg = config(*TINY, "compile=true", "+compile_options.coordinate_descent_tuning=false",
-                 "+compile_options.triton.persistent_reductions=false")
+    given = [] if tuning is None else [f"+compile_options.coordinate_descent_tuning={str(tuning).lower()}"]
+    cfg = config(*TINY, "compile=true", "+compile_options.triton.persistent_reductions=false", *given)
     engine = assemble(cfg, torch.device("cpu"))
     for program in engine.programs.values():
         inductor = program.forward.get_compiler_config()
-        assert inductor["coordinate_descent_tuning"] is False and inductor["triton.persistent_reductions"] is False
-        assert inductor["aggressive_fusion"] is True  # INDUCTOR_DEFAULTS
+        assert inductor["triton.persistent_reductions"] is False
+        assert inductor["coordinate_descent_tuning"] is (tuning is None)  # on by default
 
 
 def test_a_compiled_run_with_folded_evaluation_compiles_training_and_evaluation_once(tmp_path):
