@@ -1,10 +1,10 @@
-"""BatchNorm's passes over all 53 of ResNet-50's BatchNorms at batch 256 (fp16,
-channels-last, each layer's own tensors), each shape's calls timed together in one CUDA
-graph: the kernels of kernels/triton_ops at every tile configuration of a sweep, and with
---inductor, inductor's compiled statistics and backward (what compile=true ran before
+"""BatchNorm's passes over all 53 of ResNet-50's BatchNorms at batch 256 (or --batch N;
+fp16, channels-last, each layer's own tensors), each shape's calls timed together in one
+CUDA graph: the kernels of kernels/triton_ops at every tile configuration of a sweep, and
+with --inductor, inductor's compiled statistics and backward (what compile=true ran before
 trainer.norm).
 
-    python bench/batch_norm_sweep.py [--inductor]
+    python bench/batch_norm_sweep.py [--batch N] [--inductor]
 
 The two reductions (the statistics; backward's sums) are swept over the same
 configurations, the gradient pass (no accumulators to keep) over its own. Prints, per
@@ -26,10 +26,10 @@ from kernels.triton_ops import BnTiles  # noqa: E402
 # conv2) see such an input at 224x224
 SHAPES = {(64, 112): 1, (64, 56): 6, (256, 56): 4, (128, 56): 1, (128, 28): 7, (512, 28): 5, (256, 28): 1,
           (256, 14): 11, (1024, 14): 7, (512, 14): 1, (512, 7): 5, (2048, 7): 4}
-BATCH = 256
+BATCH = int(sys.argv[sys.argv.index("--batch") + 1]) if "--batch" in sys.argv else 256
 # configurations: every combination of (channels, elements, warps, programs per SM, stages)
-REDUCTIONS = [BnTiles(*t) for t in itertools.product((64, 128), (4096, 8192), (4, 8), (2, 3), (3, 4, 5))]
-GRADIENTS = [BnTiles(*t) for t in itertools.product((64, 128), (4096, 8192), (4, 8), (2, 4), (2, 3))]
+REDUCTIONS = [BnTiles(*t) for t in itertools.product((64, 128), (2048, 4096, 8192), (4, 8), (2, 4), (3,))]
+GRADIENTS = REDUCTIONS
 # pass -> (the triton_ops tiles it reads, the configurations it is swept over)
 PASSES = {"statistics": ("BN_STATS", REDUCTIONS), "sums": ("BN_SUMS", REDUCTIONS),
           "gradient": ("BN_GRADIENT", GRADIENTS)}
@@ -75,7 +75,7 @@ def main():
     compiled = type("Compiled", (), {fn: staticmethod(torch.compile(getattr(reference, fn), dynamic=False))
                                      for fn in ("batch_norm_stats_", "batch_norm_backward")})
     current = {name: getattr(triton_ops, tiles) for name, (tiles, _) in PASSES.items()}
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; now {current}")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, batch {BATCH}; now {current}")
     inductor, times = [0.0, 0.0], {}  # times[pass][shape][config] = ms; config None: as it is now
     for (c, hw), count in SHAPES.items():
         inputs = layers(c, hw, count, gen)

@@ -4,7 +4,7 @@
 # Logs go to $OUT (or ./gpu_logs). The CIFAR sections read $CIFAR (default ../shared/data/cifar10-jpeg.tgz);
 # the cifar* sections and coldsetup run +experiment=$EXP (default cifar10_speed); cifar5c and cifarprobe
 # add the overrides in $ARGS; cifar5c names its sweep cifar5$TAG. r18c, r50compile and r50cdt
-# add $ARGS too and name their logs with $TAG (r50p too):
+# add $ARGS too and name their logs with $TAG (r50p and bnsweep too):
 #   TAG=_freeze3 ARGS="trainer.stem_norm_freeze_epochs=3" bash bench/gpu_suite.sh cifar5c
 #   TAG=full ARGS="bench.profile_rows=400" bash bench/gpu_suite.sh r50p   # every kernel of both steps
 # disttests and r50dp need two GPUs (r50dp: one GPU, then two, then two with compile=true);
@@ -32,7 +32,7 @@ for s in "$@"; do case $s in
           python3 bench/throughput.py $OUT/r50dp1false $OUT/r50dp2false $OUT/r50dp2true;;
   fusionprobe) section fusionprobe 540 python3 bench/fusion_probe.py 256;;
   kernels) section kernels 120 python3 bench/kernels_bench.py;;
-  bnsweep) section bnsweep 420 python3 bench/batch_norm_sweep.py;;
+  bnsweep) section bnsweep$TAG 420 python3 bench/batch_norm_sweep.py $ARGS;;
   poolsweep) section poolsweep 200 python3 bench/max_pool_sweep.py;;
   poolprobe) section poolprobe 300 python3 bench/pool_probe.py $R50 trainer.batch_size=256 compile=true;;
   r50) section r50 330 python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.optimizers=[momentum,lars,adamw]" hydra.run.dir=$OUT/r50;;
