@@ -374,6 +374,27 @@ def test_a_compiled_run_with_folded_evaluation_compiles_training_and_evaluation_
     assert counters["frames"]["ok"] == 2  # the training step's forward, the evaluation's
 
 
+def test_forward_runs_without_gradients_and_each_step_leaves_them_in_their_slots():
+    """A compiled forward traces the .grad it finds on each parameter: arena views, which
+    Dynamo traced with symbolic offsets and guards, seconds of every compile. Training and
+    evaluation programs run forward with .grad released, and leave each .grad its slot."""
+    from trainer.setup import assemble
+    engine = assemble(config(*TINY), torch.device("cpu"))
+    params = list(engine.model.parameters())
+    slots = [p.grad.data_ptr() for p in params]
+    seen = []
+
+    def forward(x):
+        seen.append(all(p.grad is None for p in params))
+        return engine.model(x)
+
+    for key, program in engine.programs.items():
+        program.forward = forward
+        engine.executor.run(*key)
+    assert len(seen) >= 2 and all(seen)
+    assert [p.grad.data_ptr() for p in params] == slots
+
+
 def test_a_new_process_takes_the_compiled_step_from_the_caches(tmp_path, monkeypatch):
     """A second compile of the same step (as a new process makes it) comes from AOTAutograd's
     cache and inductor's, though the model's BatchNorms and max-pool are custom autograd

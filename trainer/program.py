@@ -63,17 +63,16 @@ class Program:
             m.eval()
         ops.schedule()
         ops.clear_grads()
-        logits = self.forward(self.x)
-        grad = self.arena[self.tensors.grad_slot]
-        cross_entropy_(logits, self.y, self.smoothing, self.results, grad_out=grad,
-                       grad_scale=s[B.LOSS_SCALE] if amp else None, nan_seen=s[B.NAN_SEEN])
         if self.handover is None:
-            logits.backward(grad)
+            self._forward_backward()
             self.grad_sync()
         else:
+            # released before forward, not only before backward: a compiled forward traces
+            # the .grad it finds on each parameter, each an arena view that Dynamo traced with
+            # symbolic offsets and guards, 10 s and more of a compile (docs/BENCHMARKS.md)
             self.handover.release()
             try:
-                logits.backward(grad)
+                self._forward_backward()
             finally:
                 self.handover.gather()
         ops.grad_scaling()
@@ -86,14 +85,26 @@ class Program:
         ops.accumulate(s[B.TRAIN_SUMS], self.variant.batch)
         ops.advance()
 
+    def _forward_backward(self):
+        s, amp = self.ops.s, self.arena.plan.config.amp
+        logits = self.forward(self.x)
+        grad = self.arena[self.tensors.grad_slot]
+        cross_entropy_(logits, self.y, self.smoothing, self.results, grad_out=grad,
+                       grad_scale=s[B.LOSS_SCALE] if amp else None, nan_seen=s[B.NAN_SEEN])
+        logits.backward(grad)
+
     @torch.no_grad()
     def _evaluate(self):
         self.model.eval()
         use_statistics(self.model, self.tensors, self.arena, "folded" if self.arena.plan.config.fold_bn else "prev")
+        if self.handover is not None:  # as in training: no .grad for a compiled forward to trace
+            self.handover.release()
         try:
             z = tta.logits(self.forward, self.x, self.tta_level)
         finally:
             use_statistics(self.model, self.tensors, self.arena, "next")
+            if self.handover is not None:
+                self.handover.gather()
         self.arena[self.tensors.features].copy_(z)
         cross_entropy_(z, self.y, 0.0, self.results, mask=self.mask)
         self.arena[self.tensors.predictions].copy_(z.argmax(1))
