@@ -250,8 +250,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 
 # What compile=true asks of inductor unless compile_options says otherwise: tuning each
 # fused kernel's launch configuration, 3% off ResNet-50's compiled step on an H200
-# (docs/BENCHMARKS.md, session N). It makes a machine's first compile longer (57 against
-# 46 s); inductor's cache keeps what it found for the processes after it.
+# (docs/BENCHMARKS.md, session N). It makes a machine's first compile longer (57-73
+# against 46 s); inductor's cache keeps what it found for the processes after it.
 INDUCTOR_DEFAULTS = {"coordinate_descent_tuning": True}
 
 

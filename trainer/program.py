@@ -68,8 +68,8 @@ class Program:
             self.grad_sync()
         else:
             # released before forward, not only before backward: a compiled forward traces
-            # the .grad it finds on each parameter, each an arena view that Dynamo traced with
-            # symbolic offsets and guards, 10 s and more of a compile (docs/BENCHMARKS.md)
+            # the .grad it finds on each parameter, arena views that Dynamo traced with
+            # symbolic offsets and guards (ResNet-50: 4 s of a 13 s warm set-up on a CPU)
             self.handover.release()
             try:
                 self._forward_backward()
