@@ -57,7 +57,7 @@ class Program:
                 m.requires_grad_(True)
 
     def _train(self):
-        ops, s, amp = self.ops, self.ops.s, self.arena.plan.config.amp
+        ops, s = self.ops, self.ops.s
         self.model.train()
         for m in self.frozen:
             m.eval()
