@@ -374,26 +374,34 @@ def test_a_compiled_run_with_folded_evaluation_compiles_training_and_evaluation_
     assert counters["frames"]["ok"] == 2  # the training step's forward, the evaluation's
 
 
-def test_forward_runs_without_gradients_and_each_step_leaves_them_in_their_slots():
+@pytest.mark.parametrize("sync", [False, True])
+def test_forward_runs_without_gradients_and_each_step_leaves_them_in_their_slots(sync):
     """A compiled forward traces the .grad it finds on each parameter: arena views, which
     Dynamo traced with symbolic offsets and guards (4 s of ResNet-50's 13 s warm set-up on a
     CPU). Training and evaluation programs run forward with .grad released, and leave each
-    .grad its slot."""
+    .grad its slot. Under a gradient sync, backward accumulates into the slots themselves,
+    whose buckets it reduces as they fill."""
     from trainer.setup import assemble
-    engine = assemble(config(*TINY), torch.device("cpu"))
+    syncs = []
+    engine = assemble(config(*TINY), torch.device("cpu"),
+                      grad_sync_factory=(lambda ops: lambda: syncs.append(1)) if sync else None)
     params = list(engine.model.parameters())
     slots = [p.grad.data_ptr() for p in params]
-    seen = []
+    seen, in_slot = [], []
 
     def forward(x):
         seen.append(all(p.grad is None for p in params))
         return engine.model(x)
 
+    for p, slot in zip(params, slots):
+        p.register_post_accumulate_grad_hook(lambda p, slot=slot: in_slot.append(p.grad.data_ptr() == slot))
     for key, program in engine.programs.items():
         program.forward = forward
         engine.executor.run(*key)
     assert len(seen) >= 2 and all(seen)
     assert [p.grad.data_ptr() for p in params] == slots
+    assert len(syncs) == (2 if sync else 0)  # once per training program
+    assert in_slot and all(in_slot) == sync  # without a sync autograd keeps its own tensors
 
 
 def test_a_new_process_takes_the_compiled_step_from_the_caches(tmp_path, monkeypatch):

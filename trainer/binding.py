@@ -58,7 +58,9 @@ class GradientHandover:
     one foreach copy per dtype then puts them all in the arena's G regions. With .grad preset
     to the arena slot (as bind() leaves it), autograd adds each gradient into it: one kernel
     per parameter (161 for ResNet-50), each ~1.5 us of a step on an H200. A parameter that
-    got no gradient (frozen) keeps its slot as clear_grads left it."""
+    got no gradient (frozen) keeps its slot as clear_grads left it. A step that needs the
+    slots preset in backward (a gradient sync) calls restore() before it: gather() then
+    has nothing to copy."""
 
     def __init__(self, model: nn.Module, tensors: ModelTensors, arena: Arena):
         self.slots: dict[torch.dtype, list[tuple[nn.Parameter, torch.Tensor]]] = {}
@@ -73,9 +75,14 @@ class GradientHandover:
 
     def gather(self):
         for pairs in self.slots.values():
-            done = [(slot, p.grad) for p, slot in pairs if p.grad is not None]
+            done = [(slot, p.grad) for p, slot in pairs if p.grad is not None and p.grad is not slot]
             if done:
                 torch._foreach_copy_([slot for slot, _ in done], [grad for _, grad in done])
+        self.restore()
+
+    def restore(self):
+        """Each .grad its arena slot again, as bind() left it."""
+        for pairs in self.slots.values():
             for p, slot in pairs:
                 p.grad = slot
 

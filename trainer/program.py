@@ -35,9 +35,7 @@ class Program:
         self.forward = model if forward is None else forward
         self.arena, self.ops = arena, ops
         self.smoothing, self.tta_level, self.grad_sync = label_smoothing, tta_level, grad_sync
-        # a gradient sync reduces buckets of the arena as backward fills them: there each
-        # gradient must land in its slot as it comes (the preset .grad)
-        self.handover = GradientHandover(model, tensors, arena) if grad_sync is None else None
+        self.handover = GradientHandover(model, tensors, arena)
         # the whole input slot, channel padding included: the first conv reads it in place
         self.x = arena.view(tensors.input.data[buffer], padded=True).permute(0, 3, 1, 2)
         self.y = arena[tensors.input.label[buffer]]
@@ -63,18 +61,16 @@ class Program:
             m.eval()
         ops.schedule()
         ops.clear_grads()
-        if self.handover is None:
+        # released before forward, not only before backward: a compiled forward traces the
+        # .grad it finds on each parameter, arena views that Dynamo traced with symbolic
+        # offsets and guards (ResNet-50: 4 s of a 13 s warm set-up on a CPU)
+        self.handover.release()
+        try:
             self._forward_backward()
+        finally:
+            self.handover.gather()
+        if self.grad_sync is not None:
             self.grad_sync()
-        else:
-            # released before forward, not only before backward: a compiled forward traces
-            # the .grad it finds on each parameter, arena views that Dynamo traced with
-            # symbolic offsets and guards (ResNet-50: 4 s of a 13 s warm set-up on a CPU)
-            self.handover.release()
-            try:
-                self._forward_backward()
-            finally:
-                self.handover.gather()
         ops.grad_scaling()
         ops.stash_frozen()
         ops.update()
@@ -91,20 +87,22 @@ class Program:
         grad = self.arena[self.tensors.grad_slot]
         cross_entropy_(logits, self.y, self.smoothing, self.results, grad_out=grad,
                        grad_scale=s[B.LOSS_SCALE] if amp else None, nan_seen=s[B.NAN_SEEN])
+        if self.grad_sync is not None:
+            # the gradient sync reduces buckets of the arena as backward fills them: there
+            # each gradient must land in its slot as it comes (the preset .grad)
+            self.handover.restore()
         logits.backward(grad)
 
     @torch.no_grad()
     def _evaluate(self):
         self.model.eval()
         use_statistics(self.model, self.tensors, self.arena, "folded" if self.arena.plan.config.fold_bn else "prev")
-        if self.handover is not None:  # as in training: no .grad for a compiled forward to trace
-            self.handover.release()
+        self.handover.release()  # as in training: no .grad for a compiled forward to trace
         try:
             z = tta.logits(self.forward, self.x, self.tta_level)
         finally:
             use_statistics(self.model, self.tensors, self.arena, "next")
-            if self.handover is not None:
-                self.handover.gather()
+            self.handover.restore()
         self.arena[self.tensors.features].copy_(z)
         cross_entropy_(z, self.y, 0.0, self.results, mask=self.mask)
         self.arena[self.tensors.predictions].copy_(z.argmax(1))
