@@ -6,10 +6,10 @@ trainer.norm).
 
     python bench/batch_norm_sweep.py [--batch N] [--inductor]
 
-The two reductions (the statistics; backward's sums) are swept over the same
-configurations, the gradient pass (no accumulators to keep) over its own. Prints, per
-shape, each configuration's ms, then the network's totals per pass: now, with the best
-configuration for each shape, and with the best single one.
+All three passes (the statistics; backward's sums; its gradient) are swept over the
+same configurations. Prints, per shape, each configuration's ms, then the network's
+totals per pass: now, with the best configuration for each shape, and with the best
+single one.
 """
 import itertools
 import sys
@@ -28,11 +28,9 @@ SHAPES = {(64, 112): 1, (64, 56): 6, (256, 56): 4, (128, 56): 1, (128, 28): 7, (
           (256, 14): 11, (1024, 14): 7, (512, 14): 1, (512, 7): 5, (2048, 7): 4}
 BATCH = int(sys.argv[sys.argv.index("--batch") + 1]) if "--batch" in sys.argv else 256
 # configurations: every combination of (channels, elements, warps, programs per SM, stages)
-REDUCTIONS = [BnTiles(*t) for t in itertools.product((64, 128), (2048, 4096, 8192), (4, 8), (2, 4), (3,))]
-GRADIENTS = REDUCTIONS
-# pass -> (the triton_ops tiles it reads, the configurations it is swept over)
-PASSES = {"statistics": ("BN_STATS", REDUCTIONS), "sums": ("BN_SUMS", REDUCTIONS),
-          "gradient": ("BN_GRADIENT", GRADIENTS)}
+CONFIGS = [BnTiles(*t) for t in itertools.product((64, 128), (2048, 4096, 8192), (4, 8), (2, 4), (3,))]
+# pass -> the triton_ops tiles it reads
+PASSES = {"statistics": "BN_STATS", "sums": "BN_SUMS", "gradient": "BN_GRADIENT"}
 
 
 def layers(c, hw, count, gen):
@@ -74,30 +72,30 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(0)
     compiled = type("Compiled", (), {fn: staticmethod(torch.compile(getattr(reference, fn), dynamic=False))
                                      for fn in ("batch_norm_stats_", "batch_norm_backward")})
-    current = {name: getattr(triton_ops, tiles) for name, (tiles, _) in PASSES.items()}
+    current = {name: getattr(triton_ops, tiles) for name, tiles in PASSES.items()}
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, batch {BATCH}; now {current}")
     inductor, times = [0.0, 0.0], {}  # times[pass][shape][config] = ms; config None: as it is now
     for (c, hw), count in SHAPES.items():
         inputs = layers(c, hw, count, gen)
         if "--inductor" in sys.argv:
             inductor = [inductor[0] + statistics(compiled, inputs), inductor[1] + backward(compiled, inputs)]
-        for name, (tiles, configs) in PASSES.items():
+        for name, tiles in PASSES.items():
             row = times.setdefault(name, {}).setdefault((c, hw), {})
-            for config in configs + [None]:
+            for config in CONFIGS + [None]:
                 setattr(triton_ops, tiles, current[name] if config is None else config)
                 row[config] = timed(name, inputs)
                 print(f"  C={c} {hw}x{hw} {name} {config or 'now'}: {row[config]:.4f}", flush=True)
             setattr(triton_ops, tiles, current[name])
-            best = min(configs, key=row.get)
+            best = min(CONFIGS, key=row.get)
             print(f"C={c:4d} {hw:3d}x{hw:<3d} x{count:2d} {name}: now {row[None]:.3f} ms, best {row[best]:.3f} at "
                   f"{best}", flush=True)
         del inputs
     if "--inductor" in sys.argv:
         print(f"\nall 53 BatchNorms: inductor statistics {inductor[0]:.3f} ms, backward {inductor[1]:.3f}")
-    for name, (_, configs) in PASSES.items():
-        total = {config: sum(row[config] for row in times[name].values()) for config in configs + [None]}
-        per_shape = sum(min(row[config] for config in configs) for row in times[name].values())
-        best = min(configs, key=total.get)
+    for name in PASSES:
+        total = {config: sum(row[config] for row in times[name].values()) for config in CONFIGS + [None]}
+        per_shape = sum(min(row[config] for config in CONFIGS) for row in times[name].values())
+        best = min(CONFIGS, key=total.get)
         print(f"{name}: now {total[None]:.3f} ms; best per shape {per_shape:.3f}; best single {total[best]:.3f} "
               f"at {best}")
 
