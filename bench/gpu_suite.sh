@@ -7,6 +7,7 @@
 # add $ARGS too and name their logs with $TAG (r50p and bnsweep too):
 #   TAG=_freeze3 ARGS="trainer.stem_norm_freeze_epochs=3" bash bench/gpu_suite.sh cifar5c
 #   TAG=full ARGS="bench.profile_rows=400" bash bench/gpu_suite.sh r50p   # every kernel of both steps
+# firststep: bench/first_step_probe.py on ResNet-50 b256 with compile=true, on a fresh inductor cache.
 # disttests and r50dp need two GPUs (r50dp: one GPU, then two, then two with compile=true);
 # fusionprobe needs the nvidia-cudnn-frontend package (docs/BENCHMARKS.md, "Session I").
 set -u
@@ -64,6 +65,11 @@ for s in "$@"; do case $s in
           for i in 1 2 3; do section warmsetup$i 120 python3 run.py +experiment=$EXP compile=true data.root=$CIFAR hydra.run.dir=$OUT/warmsetup$i; done
           grep -h "set-up" $OUT/coldsetup.log $OUT/warmsetup?.log
           section setupprobe 200 python3 bench/setup_probe.py data.root=$CIFAR compile=true
+          unset TORCHINDUCTOR_CACHE_DIR;;
+  firststep) export TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)"  # cold, then warm, then warm without cuDNN's autotuning
+          P="python3 bench/first_step_probe.py $R50 trainer.batch_size=256 compile=true $ARGS"
+          section firststep_cold$TAG 300 $P; section firststep_warm$TAG 200 $P
+          section firststep_nobench$TAG 200 env CUDNN_BENCHMARK=0 $P
           unset TORCHINDUCTOR_CACHE_DIR;;
   loader) python3 -m trainer.data.make_jpeg_tree /tmp/tree --classes 100 --per-class 130 --val-per-class 10 > /dev/null
           section loader 200 python3 bench/loader_bench.py data.root=/tmp/tree;;

@@ -1,0 +1,74 @@
+"""Where our trainer's time to first step goes (mode=bench's "first step s"): the build
+(model, plans, arena, binding, programs), the first program call (Dynamo's trace, the
+compile or the caches' load, cuDNN's autotuning, inductor's runtime tuning, Triton's
+loading), the other warm-up calls with the captures, and one replay. Then dynamo's own
+timers, inductor's tuning counters and the functions cProfile saw take the most time.
+Run it twice on one inductor cache, cold and then warm; CUDNN_BENCHMARK=0 leaves cuDNN's
+autotuning out, to show its share:
+
+    python bench/first_step_probe.py model=resnet50 data.resolution=224 data.num_classes=1000 \\
+        amp=true trainer.batch_size=256 compile=true
+"""
+import contextlib
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from trainer.config import compose_config  # noqa: E402
+from trainer.feeder import BUFFERS  # noqa: E402
+from trainer.setup import assemble  # noqa: E402
+
+
+def main(overrides: list[str]):
+    cfg = compose_config(["mode=bench", *overrides])
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.backends.cudnn.benchmark = os.environ.get("CUDNN_BENCHMARK", "1") == "1"
+    laps, t = [], time.perf_counter()
+
+    def lap(what: str):
+        nonlocal t
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        now = time.perf_counter()
+        laps.append((what, now - t))
+        t = now
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    engine = assemble(cfg, device)
+    lap("assemble: model, plans, arena, binding, programs")
+    keys = [("train_base", b) for b in BUFFERS]
+    stream = engine.executor.stream  # None on a CPU: the calls run there, without graphs
+    with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
+        engine.programs[keys[0]]()
+    lap("first program call")
+    with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
+        engine.programs[keys[1]]()
+    lap("second program call (other buffer)")
+    engine.executor.capture(keys)
+    lap(f"capture: {engine.executor.warmup} warm-up calls and a capture per program")
+    engine.executor.run(*keys[0])
+    lap("one replay")
+    profiler.disable()
+    print(f"cudnn.benchmark={torch.backends.cudnn.benchmark}")
+    for what, s in laps:
+        print(f"{what:<60} {s:7.2f} s")
+    print(f"{'in all':<60} {sum(s for _, s in laps):7.2f} s\n")
+    from torch._dynamo.utils import compile_times, counters
+    print(compile_times(repr="str", aggregate=True))
+    print("inductor counters:", {k: v for k, v in counters["inductor"].items() if v})
+    for order in ("cumulative", "tottime"):
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats(order).print_stats(45)
+        print(out.getvalue())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
