@@ -1,16 +1,17 @@
 """Where our trainer's time to first step goes (mode=bench's "first step s"): the build
-(model, plans, arena, binding, programs), the first program call (Dynamo's trace, the
-compile or the caches' load, cuDNN's autotuning, inductor's runtime tuning, Triton's
-loading), the other warm-up calls with the captures, and one replay. Then dynamo's own
-timers, inductor's tuning counters and the functions cProfile saw take the most time.
-Run it twice on one inductor cache, cold and then warm; CUDNN_BENCHMARK=0 leaves cuDNN's
-autotuning out, to show its share:
+(model, plans, arena, binding, programs; the imports it needs are timed first), the
+first program call (Dynamo's trace, the compile or the caches' load, cuDNN's
+autotuning, inductor's runtime tuning, Triton's loading), the other warm-up calls with
+the captures, and one replay. Then dynamo's own timers, inductor's tuning counters and
+the functions cProfile saw take the most time. Run it twice on one inductor cache, cold
+and then warm; CUDNN_BENCHMARK=0 leaves cuDNN's autotuning out, to show its share:
 
     python bench/first_step_probe.py model=resnet50 data.resolution=224 data.num_classes=1000 \\
         amp=true trainer.batch_size=256 compile=true
 """
 import contextlib
 import cProfile
+import importlib
 import io
 import os
 import pstats
@@ -42,6 +43,9 @@ def main(overrides: list[str]):
 
     profiler = cProfile.Profile()
     profiler.enable()
+    for module in ("torchvision", "kernels.triton_ops", "torch._inductor.compile_fx"):
+        importlib.import_module(module)  # imports assemble would make
+        lap(f"import {module}")
     engine = assemble(cfg, device)
     lap("assemble: model, plans, arena, binding, programs")
     keys = [("train_base", b) for b in BUFFERS]

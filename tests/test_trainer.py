@@ -357,6 +357,7 @@ def test_compile_options_reach_inductor_with_their_dotted_names_over_the_default
         inductor = program.forward.get_compiler_config()
         assert inductor["triton.persistent_reductions"] is False
         assert inductor["coordinate_descent_tuning"] is (tuning is None)  # on by default
+        assert inductor["use_static_cuda_launcher"] is False  # keeps the tuning in the cache
 
 
 def test_a_compiled_run_with_folded_evaluation_compiles_training_and_evaluation_once(tmp_path):

@@ -252,7 +252,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 # fused kernel's launch configuration, 3% off ResNet-50's compiled step on an H200
 # (docs/BENCHMARKS.md, session N). It makes a machine's first compile longer (57-73
 # against 46 s); inductor's cache keeps what it found for the processes after it.
-INDUCTOR_DEFAULTS = {"coordinate_descent_tuning": True}
+# Triton's own launcher instead of inductor's static one: torch 2.11 loads statically
+# launched kernels from its cache without the tuned configuration (pytorch#172819), so
+# every process tuned again, 2.5-6.2 s of ResNet-50's first step. The static launcher
+# only shortens each launch, and the step replays them from a CUDA graph.
+INDUCTOR_DEFAULTS = {"coordinate_descent_tuning": True, "use_static_cuda_launcher": False}
 
 
 def _given_options(cfg: TrainConfig) -> dict[str, Any]:
