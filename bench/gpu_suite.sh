@@ -24,7 +24,7 @@ section() {  # name, timeout, command...
 }
 for s in "$@"; do case $s in
   env) nvidia-smi -L; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.backends.cudnn.version())";;
-  tests) section tests 240 python3 -m pytest -q tests/test_gpu.py tests/test_data_gpu.py tests/test_kernels.py -p no:cacheprovider;;
+  tests) section tests 420 python3 -m pytest -q tests/test_gpu.py tests/test_data_gpu.py tests/test_kernels.py -p no:cacheprovider;;
   disttests) section disttests 300 python3 -m pytest -q -m gpu tests/test_dist.py -p no:cacheprovider;;
   r50dp) for run in "1 false" "2 false" "2 true"; do set -- $run  # GPUs, compile
           section r50dp$1$2 300 python3 -m torch.distributed.run --nproc_per_node=$1 run.py model=resnet50 data.resolution=224 \
