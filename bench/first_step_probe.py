@@ -4,7 +4,7 @@ first program call (Dynamo's trace, the compile or the caches' load, cuDNN's
 autotuning, inductor's runtime tuning, Triton's loading), the other warm-up calls with
 the captures, and one replay. Then dynamo's own timers, inductor's tuning counters and
 the functions cProfile saw take the most time. Run it twice on one inductor cache, cold
-and then warm; CUDNN_BENCHMARK=0 leaves cuDNN's autotuning out, to show its share:
+and then warm; cudnn_benchmark=false leaves cuDNN's autotuning out, to show its share:
 
     python bench/first_step_probe.py model=resnet50 data.resolution=224 data.num_classes=1000 \\
         amp=true trainer.batch_size=256 compile=true
@@ -13,7 +13,6 @@ import contextlib
 import cProfile
 import importlib
 import io
-import os
 import pstats
 import sys
 import time
@@ -24,13 +23,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trainer.config import compose_config  # noqa: E402
 from trainer.feeder import BUFFERS  # noqa: E402
-from trainer.setup import assemble  # noqa: E402
+from trainer.setup import assemble, use_device  # noqa: E402
 
 
 def main(overrides: list[str]):
     cfg = compose_config(["mode=bench", *overrides])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    torch.backends.cudnn.benchmark = os.environ.get("CUDNN_BENCHMARK", "1") == "1"
+    use_device(device, cfg)
     laps, t = [], time.perf_counter()
 
     def lap(what: str):

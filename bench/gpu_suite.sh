@@ -69,7 +69,7 @@ for s in "$@"; do case $s in
   firststep) export TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)"  # cold, then warm, then warm without cuDNN's autotuning
           P="python3 bench/first_step_probe.py $R50 trainer.batch_size=256 compile=true $ARGS"
           section firststep_cold$TAG 300 $P; section firststep_warm$TAG 200 $P
-          section firststep_nobench$TAG 200 env CUDNN_BENCHMARK=0 $P
+          section firststep_nobench$TAG 200 $P cudnn_benchmark=false
           unset TORCHINDUCTOR_CACHE_DIR;;
   loader) python3 -m trainer.data.make_jpeg_tree /tmp/tree --classes 100 --per-class 130 --val-per-class 10 > /dev/null
           section loader 200 python3 bench/loader_bench.py data.root=/tmp/tree;;

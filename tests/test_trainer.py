@@ -360,6 +360,15 @@ def test_compile_options_reach_inductor_with_their_dotted_names_over_the_default
         assert inductor["use_static_cuda_launcher"] is False  # keeps the tuning in the cache
 
 
+@pytest.mark.parametrize("given, autotune", [([], True), (["cudnn_benchmark=false"], False)])
+def test_cudnn_autotuning_follows_the_config(given, autotune, monkeypatch):
+    """On by default; cudnn_benchmark=false leaves cuDNN's heuristic choice."""
+    from trainer.setup import use_device
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", not autotune)
+    use_device(torch.device("cpu"), config(*TINY, *given))
+    assert torch.backends.cudnn.benchmark is autotune
+
+
 def test_a_compiled_run_with_folded_evaluation_compiles_training_and_evaluation_once(tmp_path):
     """Each evaluation swaps the folded BatchNorm in and out again. Under compile=true the
     swapped-in forward must be the same object every time: a new one made inductor compile

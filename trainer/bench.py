@@ -17,7 +17,7 @@ from torch.nn import functional as F
 
 from trainer.config import TrainConfig
 from trainer.feeder import BUFFERS
-from trainer.setup import assemble, make_model
+from trainer.setup import assemble, make_model, use_device
 
 
 @dataclass
@@ -214,10 +214,9 @@ def table(cfg: TrainConfig, results: list[Result], device) -> str:
 
 
 def run(cfg: TrainConfig, device, optimizers: list[str]) -> str:
+    use_device(device, cfg)  # cfg.cudnn_benchmark holds for every method
     if device.type == "cuda":
-        torch.cuda.set_device(device)
         torch.cuda.init()
-        torch.backends.cudnn.benchmark = True
     results = [plain_loop(cfg, m, device) for m in cfg.bench.baselines]
     for name in optimizers:
         c = copy.deepcopy(cfg)

@@ -139,6 +139,9 @@ class TrainConfig:
     ema_decay: float = 0.999
     fold_bn: bool = False  # evaluate with BatchNorm folded into a per-channel scale and bias
     graphs: bool = True  # on a GPU, replay captured CUDA graphs; false runs the same program eagerly
+    # on a GPU, warm-up times cuDNN's algorithms for each convolution shape and keeps the
+    # fastest; false takes cuDNN's heuristic choice, for a shorter first step
+    cudnn_benchmark: bool = True
     kernels: str = "auto"  # auto | torch | triton: implementation of the range ops
     compile: bool = False  # run inductor on forward and backward inside the captured step
     # inductor settings for compile=true, over INDUCTOR_DEFAULTS, e.g.

@@ -28,7 +28,7 @@ from trainer.metrics import MetricsLog, Stopwatch, plot_curves, write_summary
 from trainer.plan import Baseline as B
 from trainer.regions import Region as R
 from trainer.planner import bn_eps, first_conv
-from trainer.setup import assemble
+from trainer.setup import assemble, use_device
 from trainer.whitening import whiten_first_conv
 
 log = logging.getLogger("trainer")
@@ -41,10 +41,8 @@ class Trainer:
         run_dir.mkdir(parents=True, exist_ok=True)
         t = cfg.trainer
         self.device = device_for(cfg.device, dist)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-            torch.backends.cudnn.benchmark = True
-        elif cfg.amp and cfg.amp_dtype == "fp16":
+        use_device(self.device, cfg)
+        if self.device.type == "cpu" and cfg.amp and cfg.amp_dtype == "fp16":
             log.warning("amp=true with fp16 on the CPU: CPUs compute fp16 convolutions about 18x slower than "
                         "fp32 (the CIFAR recipe's net: 50 against 890 img/s); amp_dtype=bf16 is faster than fp32")
         torch.manual_seed(t.seed)

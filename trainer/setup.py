@@ -22,6 +22,13 @@ from trainer.schedule import hyperparameters, lr_multipliers, steps_per_epoch, t
 from trainer.variants import Variant, derive_variants
 
 
+def use_device(device: torch.device, cfg: TrainConfig):
+    """Make `device` the current one, with cuDNN's autotuning as cfg.cudnn_benchmark says."""
+    torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def make_model(cfg: TrainConfig) -> nn.Module:
     m = cfg.model
     try:
