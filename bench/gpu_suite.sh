@@ -3,8 +3,9 @@
 #   bash bench/gpu_suite.sh tests kernels r50 r50b64 r18 cifar1 ...
 # Logs go to $OUT (or ./gpu_logs). The CIFAR sections read $CIFAR (default ../shared/data/cifar10-jpeg.tgz);
 # the cifar* sections and coldsetup run +experiment=$EXP (default cifar10_speed); cifar5c and cifarprobe
-# add the overrides in $ARGS; cifar5c names its sweep cifar5$TAG. r18c, r50compile and r50cdt
-# add $ARGS too and name their logs with $TAG (r50p and bnsweep too):
+# add the overrides in $ARGS; cifar5c names its sweep cifar5$TAG. r18c, r50b64c, r50compile, r50cdt
+# and firststep add $ARGS too and name their logs with $TAG (r50p and bnsweep too):
+#   TAG=_heuristic ARGS="cudnn_benchmark=false" bash bench/gpu_suite.sh r50b64c r18c
 #   TAG=_freeze3 ARGS="trainer.stem_norm_freeze_epochs=3" bash bench/gpu_suite.sh cifar5c
 #   TAG=full ARGS="bench.profile_rows=400" bash bench/gpu_suite.sh r50p   # every kernel of both steps
 # firststep: bench/first_step_probe.py on ResNet-50 b256 with compile=true, on a fresh inductor cache.
@@ -49,7 +50,7 @@ for s in "$@"; do case $s in
           section cifar5 360 python3 run.py -m +experiment=$EXP compile=$c data.root=$CIFAR trainer.seed=0,1,2,3,4 hydra.sweep.dir=$OUT/cifar5
           python3 bench/seeds.py $OUT/cifar5;;
   r18c) section r18c$TAG 200 python3 run.py mode=bench model=resnet18_cifar data.resolution=32 amp=true trainer.batch_size=512 "bench.baselines=[eager_bf16,eager_fp16]" compile=true $ARGS hydra.run.dir=$OUT/r18c$TAG;;
-  r50b64c) section r50b64c 200 python3 run.py mode=bench $R50 trainer.batch_size=64 "bench.baselines=[eager_bf16]" compile=true hydra.run.dir=$OUT/r50b64c;;
+  r50b64c) section r50b64c$TAG 200 python3 run.py mode=bench $R50 trainer.batch_size=64 "bench.baselines=[eager_bf16]" compile=true $ARGS hydra.run.dir=$OUT/r50b64c$TAG;;
   cifar5c) section cifar5$TAG 420 python3 run.py -m +experiment=$EXP compile=true data.root=$CIFAR trainer.seed=0,1,2,3,4 $ARGS hydra.sweep.dir=$OUT/cifar5$TAG
           python3 bench/seeds.py $OUT/cifar5$TAG;;
   cifar5) section cifar5 300 python3 run.py -m +experiment=$EXP data.root=$CIFAR trainer.seed=0,1,2,3,4 hydra.sweep.dir=$OUT/cifar5
