@@ -15,12 +15,12 @@ import importlib
 import io
 import pstats
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.setup_probe import Laps  # noqa: E402
 from trainer.config import compose_config  # noqa: E402
 from trainer.feeder import BUFFERS  # noqa: E402
 from trainer.setup import assemble, use_device  # noqa: E402
@@ -30,40 +30,27 @@ def main(overrides: list[str]):
     cfg = compose_config(["mode=bench", *overrides])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     use_device(device, cfg)
-    laps, t = [], time.perf_counter()
-
-    def lap(what: str):
-        nonlocal t
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        now = time.perf_counter()
-        laps.append((what, now - t))
-        t = now
-
+    print(f"cudnn.benchmark={torch.backends.cudnn.benchmark}")
     profiler = cProfile.Profile()
     profiler.enable()
+    lap = Laps(sync=lambda: torch.cuda.synchronize(device) if device.type == "cuda" else None)
     for module in ("torchvision", "kernels.triton_ops", "torch._inductor.compile_fx"):
         importlib.import_module(module)  # imports assemble would make
         lap(f"import {module}")
     engine = assemble(cfg, device)
-    lap("assemble: model, plans, arena, binding, programs")
+    lap("assemble (model, plans, arena, programs)")
     keys = [("train_base", b) for b in BUFFERS]
     stream = engine.executor.stream  # None on a CPU: the calls run there, without graphs
-    with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
-        engine.programs[keys[0]]()
-    lap("first program call")
-    with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
-        engine.programs[keys[1]]()
-    lap("second program call (other buffer)")
+    for key, what in zip(keys, ("first program call", "second program call (other buffer)")):
+        with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
+            engine.programs[key]()
+        lap(what)
     engine.executor.capture(keys)
-    lap(f"capture: {engine.executor.warmup} warm-up calls and a capture per program")
+    lap(f"capture: {engine.executor.warmup} warm-ups, a capture each")
     engine.executor.run(*keys[0])
     lap("one replay")
     profiler.disable()
-    print(f"cudnn.benchmark={torch.backends.cudnn.benchmark}")
-    for what, s in laps:
-        print(f"{what:<60} {s:7.2f} s")
-    print(f"{'in all':<60} {sum(s for _, s in laps):7.2f} s\n")
+    print(f"{'in all':<44} {lap.t - lap.start:7.2f} s\n")
     from torch._dynamo.utils import compile_times, counters
     print(compile_times(repr="str", aggregate=True))
     print("inductor counters:", {k: v for k, v in counters["inductor"].items() if v})

@@ -23,10 +23,15 @@ from trainer.dist import Dist  # noqa: E402
 
 
 class Laps:
-    def __init__(self):
-        self.t = time.perf_counter()
+    """Prints the seconds since the last lap. `sync` runs first: what waits for queued
+    device work, for phases that leave some (bench/first_step_probe.py)."""
+
+    def __init__(self, sync=lambda: None):
+        self.start = self.t = time.perf_counter()
+        self.sync = sync
 
     def __call__(self, what: str):
+        self.sync()
         t = time.perf_counter()
         print(f"{what:<44} {t - self.t:7.2f} s", flush=True)
         self.t = t
