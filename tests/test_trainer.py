@@ -369,6 +369,21 @@ def test_cudnn_autotuning_follows_the_config(given, autotune, monkeypatch):
     assert torch.backends.cudnn.benchmark is autotune
 
 
+def test_bench_times_the_plain_loops_with_autotuning_whatever_ours_uses(monkeypatch):
+    """The hand-written loop a user tunes for speed autotunes cuDNN; cudnn_benchmark=false
+    is a setting of ours alone, and it holds again for our step."""
+    from trainer import bench
+    seen = []
+
+    def measure(cfg, method, step, t0, device):
+        seen.append((method, torch.backends.cudnn.benchmark))
+        return bench.Result(method, 1.0, 1.0, 0.0, 0.0)
+    monkeypatch.setattr(bench, "_measure", measure)
+    cfg = config("mode=bench", "trainer.batch_size=32", "cudnn_benchmark=false", "bench.baselines=[eager_bf16]")
+    bench.run(cfg, torch.device("cpu"), cfg.bench.optimizers)
+    assert seen == [("eager_bf16", True), ("ours momentum fp32 eager", False)]
+
+
 def test_a_compiled_run_with_folded_evaluation_compiles_training_and_evaluation_once(tmp_path):
     """Each evaluation swaps the folded BatchNorm in and out again. Under compile=true the
     swapped-in forward must be the same object every time: a new one made inductor compile
