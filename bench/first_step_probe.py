@@ -4,7 +4,8 @@ first program call (Dynamo's trace, the compile or the caches' load, cuDNN's
 autotuning, inductor's runtime tuning, Triton's loading), the other warm-up calls with
 the captures, and one replay. Then dynamo's own timers, inductor's tuning counters and
 the functions cProfile saw take the most time. Run it twice on one inductor cache, cold
-and then warm; cudnn_benchmark=false leaves cuDNN's autotuning out, to show its share:
+and then warm; model.cudnn_benchmark=true|false puts cuDNN's autotuning in or out, to
+show its share (ResNet-50's config leaves it out):
 
     python bench/first_step_probe.py model=resnet50 data.resolution=224 data.num_classes=1000 \\
         amp=true trainer.batch_size=256 compile=true

@@ -5,7 +5,7 @@
 # the cifar* sections and coldsetup run +experiment=$EXP (default cifar10_speed); cifar5c and cifarprobe
 # add the overrides in $ARGS; cifar5c names its sweep cifar5$TAG. r18c, r50b64c, r50compile, r50cdt
 # and firststep add $ARGS too and name their logs with $TAG (r50p and bnsweep too):
-#   TAG=_heuristic ARGS="cudnn_benchmark=false" bash bench/gpu_suite.sh r50b64c r18c
+#   TAG=_autotune ARGS="model.cudnn_benchmark=true" bash bench/gpu_suite.sh r50b64c r50compile
 #   TAG=_freeze3 ARGS="trainer.stem_norm_freeze_epochs=3" bash bench/gpu_suite.sh cifar5c
 #   TAG=full ARGS="bench.profile_rows=400" bash bench/gpu_suite.sh r50p   # every kernel of both steps
 # firststep: bench/first_step_probe.py on ResNet-50 b256 with compile=true, on a fresh inductor cache.
@@ -67,10 +67,10 @@ for s in "$@"; do case $s in
           grep -h "set-up" $OUT/coldsetup.log $OUT/warmsetup?.log
           section setupprobe 200 python3 bench/setup_probe.py data.root=$CIFAR compile=true
           unset TORCHINDUCTOR_CACHE_DIR;;
-  firststep) export TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)"  # cold, then warm, then warm without cuDNN's autotuning
+  firststep) export TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)"  # cold, then warm, then warm with cuDNN's autotuning
           P="python3 bench/first_step_probe.py $R50 trainer.batch_size=256 compile=true $ARGS"
           section firststep_cold$TAG 300 $P; section firststep_warm$TAG 200 $P
-          section firststep_nobench$TAG 200 $P cudnn_benchmark=false
+          section firststep_bench$TAG 200 $P model.cudnn_benchmark=true
           unset TORCHINDUCTOR_CACHE_DIR;;
   loader) python3 -m trainer.data.make_jpeg_tree /tmp/tree --classes 100 --per-class 130 --val-per-class 10 > /dev/null
           section loader 200 python3 bench/loader_bench.py data.root=/tmp/tree;;

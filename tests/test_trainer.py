@@ -360,9 +360,12 @@ def test_compile_options_reach_inductor_with_their_dotted_names_over_the_default
         assert inductor["use_static_cuda_launcher"] is False  # keeps the tuning in the cache
 
 
-@pytest.mark.parametrize("given, autotune", [([], True), (["cudnn_benchmark=false"], False)])
-def test_cudnn_autotuning_follows_the_config(given, autotune, monkeypatch):
-    """On by default; cudnn_benchmark=false leaves cuDNN's heuristic choice."""
+@pytest.mark.parametrize("given, autotune", [([], True), (["model.cudnn_benchmark=false"], False),
+                                             (["model=resnet50"], False),
+                                             (["model=resnet50", "model.cudnn_benchmark=true"], True)])
+def test_cudnn_autotuning_follows_the_model_config(given, autotune, monkeypatch):
+    """On by default; model.cudnn_benchmark=false leaves cuDNN's heuristic choice, which
+    ResNet-50's config takes because it is as fast there."""
     from trainer.setup import use_device
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", not autotune)
     use_device(torch.device("cpu"), config(*TINY, *given))
@@ -370,7 +373,7 @@ def test_cudnn_autotuning_follows_the_config(given, autotune, monkeypatch):
 
 
 def test_bench_times_the_plain_loops_with_autotuning_whatever_ours_uses(monkeypatch):
-    """The hand-written loop a user tunes for speed autotunes cuDNN; cudnn_benchmark=false
+    """The hand-written loop a user tunes for speed autotunes cuDNN; model.cudnn_benchmark=false
     is a setting of ours alone, and it holds again for our step."""
     from trainer import bench
     seen = []
@@ -379,7 +382,7 @@ def test_bench_times_the_plain_loops_with_autotuning_whatever_ours_uses(monkeypa
         seen.append((method, torch.backends.cudnn.benchmark))
         return bench.Result(method, 1.0, 1.0, 0.0, 0.0)
     monkeypatch.setattr(bench, "_measure", measure)
-    cfg = config("mode=bench", "trainer.batch_size=32", "cudnn_benchmark=false", "bench.baselines=[eager_bf16]")
+    cfg = config("mode=bench", "trainer.batch_size=32", "model.cudnn_benchmark=false", "bench.baselines=[eager_bf16]")
     bench.run(cfg, torch.device("cpu"), cfg.bench.optimizers)
     assert seen == [("eager_bf16", True), ("ours momentum fp32 eager", False)]
 

@@ -75,7 +75,7 @@ def _peak_gib(device) -> float:
 def plain_loop(cfg: TrainConfig, method: str, device) -> Result:
     """The hand-written loop: channels_last, autocast (bf16, or fp16 with GradScaler),
     fused SGD with momentum, optionally torch.compile, and cuDNN's autotuning on, as a
-    loop written for speed has it, whatever cfg.cudnn_benchmark asks of ours."""
+    loop written for speed has it, whatever cfg.model.cudnn_benchmark asks of ours."""
     ours_autotune, torch.backends.cudnn.benchmark = torch.backends.cudnn.benchmark, True
     try:
         return _plain_loop(cfg, method, device)
@@ -223,7 +223,7 @@ def table(cfg: TrainConfig, results: list[Result], device) -> str:
 
 
 def run(cfg: TrainConfig, device, optimizers: list[str]) -> str:
-    use_device(device, cfg)  # cfg.cudnn_benchmark holds for ours; the plain loops autotune
+    use_device(device, cfg)  # cfg.model.cudnn_benchmark holds for ours; the plain loops autotune
     if device.type == "cuda":
         torch.cuda.init()
     results = [plain_loop(cfg, m, device) for m in cfg.bench.baselines]

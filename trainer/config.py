@@ -24,6 +24,10 @@ class ModelConfig:
     stem_norm: str = "bias"  # fastnet: after the stem conv, bias (a bias-only BatchNorm) | none
     logit_scale: float = 1 / 9  # fastnet: scales the logits, applied to the head's input (airbench94_muon: 1/256)
     head_std: float = 0.0  # fastnet: the head's initial weight std; 0 keeps torch's (1/sqrt(3 fan_in))
+    # on a GPU, warm-up times cuDNN's algorithms for each of the model's convolution shapes
+    # and keeps the fastest; false takes cuDNN's heuristic choice, for a shorter first step
+    # where that choice is as fast (conf/model/resnet50.yaml)
+    cudnn_benchmark: bool = True
 
 
 @dataclass
@@ -139,9 +143,6 @@ class TrainConfig:
     ema_decay: float = 0.999
     fold_bn: bool = False  # evaluate with BatchNorm folded into a per-channel scale and bias
     graphs: bool = True  # on a GPU, replay captured CUDA graphs; false runs the same program eagerly
-    # on a GPU, warm-up times cuDNN's algorithms for each convolution shape and keeps the
-    # fastest; false takes cuDNN's heuristic choice, for a shorter first step
-    cudnn_benchmark: bool = True
     kernels: str = "auto"  # auto | torch | triton: implementation of the range ops
     compile: bool = False  # run inductor on forward and backward inside the captured step
     # inductor settings for compile=true, over INDUCTOR_DEFAULTS, e.g.

@@ -23,8 +23,8 @@ from trainer.variants import Variant, derive_variants
 
 
 def use_device(device: torch.device, cfg: TrainConfig):
-    """Make `device` the current one, with cuDNN's autotuning as cfg.cudnn_benchmark says."""
-    torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
+    """Make `device` the current one, with cuDNN's autotuning as cfg.model.cudnn_benchmark says."""
+    torch.backends.cudnn.benchmark = cfg.model.cudnn_benchmark
     if device.type == "cuda":
         torch.cuda.set_device(device)
 
