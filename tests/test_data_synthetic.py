@@ -28,13 +28,16 @@ def denormalize(source, data: torch.Tensor) -> torch.Tensor:
     return data[..., :3].float() * torch.tensor(source.std) + torch.tensor(source.mean)
 
 
-def test_the_data_set_is_the_same_made_in_chunks_or_at_once(monkeypatch):
-    """Large images are made a chunk of images at a time; the noise continues one stream."""
-    chunked, labels = generate(50, 0, 48)  # 910 images of 48x48 a chunk: 50 in one
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_data_set_is_the_same_made_in_chunks_or_at_once_on_any_threads(threads, monkeypatch):
+    """Large images are made a chunk of images at a time, chunks on threads; each image's
+    noise is its own stream."""
+    at_once, labels = generate(50, 0, 48)  # 227 images of 48x48 a chunk: 50 in one
     monkeypatch.setattr(gratings, "_CHUNK_PIXELS", 10 * 48 * 48)  # five chunks
-    assert np.array_equal(generate(50, 0, 48)[0], chunked)
+    assert np.array_equal(generate(50, 0, 48, threads)[0], at_once)
     monkeypatch.setattr(gratings, "_CHUNK_PIXELS", 1)  # one image a chunk
-    assert np.array_equal(generate(50, 0, 48)[0], chunked) and np.array_equal(generate(50, 0, 48)[1], labels)
+    chunked, chunked_labels = generate(50, 0, 48, threads)
+    assert np.array_equal(chunked, at_once) and np.array_equal(chunked_labels, labels)
 
 
 def test_channel_statistics_are_the_pixels_mean_and_deviation():

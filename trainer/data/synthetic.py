@@ -20,11 +20,13 @@ NUM_CLASSES = 10
 DATASET_SEED = 20240611
 
 
-def generate(n: int, split: int, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """n balanced examples of one split (0 train, 1 val: independent draws)."""
+def generate(n: int, split: int, size: int, threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """n balanced examples of one split (0 train, 1 val: independent draws), made on
+    `threads` threads (the same examples whatever their number)."""
     labels = (np.arange(n) % NUM_CLASSES).astype(np.int32)
     rng = np.random.default_rng([DATASET_SEED, split])
-    return gratings(ORIENTATIONS[labels % 2], hues(NUM_CLASSES // 2)[labels // 2], rng, size, size), labels
+    return gratings(ORIENTATIONS[labels % 2], hues(NUM_CLASSES // 2)[labels // 2], rng, size, size,
+                    threads=threads), labels
 
 
 class SyntheticSource(DaliSource):
@@ -72,8 +74,8 @@ def sources(d: DataConfig, train: Shard, val: Shard, seed: int, device: torch.de
     if d.num_classes != NUM_CLASSES:
         raise DataError(f"the synthetic data set has {NUM_CLASSES} classes but data.num_classes="
                         f"{d.num_classes}; set data.num_classes={NUM_CLASSES}")
-    train_images, train_labels = generate(train.total, 0, d.resolution)
-    val_images, val_labels = generate(val.total, 1, d.resolution)
+    train_images, train_labels = generate(train.total, 0, d.resolution, d.threads)
+    val_images, val_labels = generate(val.total, 1, d.resolution, d.threads)
     mean, std = channel_stats(train_images)
     return (SyntheticSource(train_images, train_labels, train, mean, std, d, seed, device, half, augment=True),
             SyntheticSource(val_images, val_labels, val, mean, std, d, seed, device, half, augment=False))
