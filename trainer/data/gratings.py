@@ -41,6 +41,7 @@ def gratings(theta: np.ndarray, hue: np.ndarray, rng: np.random.Generator, heigh
     # each image's pixel noise is its own stream, so that chunks on threads draw it in any order
     noise_rngs = rng.spawn(n)
     out = np.empty((n, height, width, 3), np.uint8)
+    step = max(1, _CHUNK_PIXELS // (height * width))
 
     def make(i: int):
         # a chunk at a time, so that 224x224 images are made at memory speed, not through
@@ -53,7 +54,6 @@ def gratings(theta: np.ndarray, hue: np.ndarray, rng: np.random.Generator, heigh
         img += pixel_noise * np.float32(noise)
         out[s] = np.rint(np.clip(img, 0, 1, out=img) * np.float32(255))
 
-    step = max(1, _CHUNK_PIXELS // (height * width))
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(make, range(0, n, step)))
     return out
