@@ -10,6 +10,7 @@
 #   TAG=full ARGS="bench.profile_rows=400" bash bench/gpu_suite.sh r50p   # every kernel of both steps
 # firststep: bench/first_step_probe.py on ResNet-50 b256 with compile=true, on a fresh inductor cache.
 # aotprobe: bench/aot_probe.py there: make the artifact, load it, then compile as the trainer does (cold, warm).
+# compilecache: ours alone on ResNet-50 b256 with compile_cache, twice: the first run compiles and saves, the second loads.
 # disttests and r50dp need two GPUs (r50dp: one GPU, then two, then two with compile=true);
 # fusionprobe needs the nvidia-cudnn-frontend package (docs/BENCHMARKS.md, "Session I").
 set -u
@@ -73,6 +74,9 @@ for s in "$@"; do case $s in
           section firststep_cold$TAG 300 $P; section firststep_warm$TAG 200 $P
           section firststep_bench$TAG 200 $P model.cudnn_benchmark=true
           unset TORCHINDUCTOR_CACHE_DIR;;
+  compilecache) C="$(mktemp -d)"
+          for run in 1 2; do section compilecache$run$TAG 400 python3 run.py mode=bench $R50 trainer.batch_size=256 \
+            "bench.baselines=[]" compile=true compile_cache=$C $ARGS hydra.run.dir=$OUT/compilecache$run$TAG; done;;
   aotprobe) export TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)"; A="$TORCHINDUCTOR_CACHE_DIR/r50.aot"
           O="$R50 trainer.batch_size=256 $ARGS"
           section aot_make$TAG 400 python3 bench/aot_probe.py make $A $O

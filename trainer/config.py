@@ -148,6 +148,10 @@ class TrainConfig:
     # inductor settings for compile=true, over INDUCTOR_DEFAULTS, e.g.
     # +compile_options.coordinate_descent_tuning=false for a shorter first compile
     compile_options: dict[str, Any] = field(default_factory=dict)
+    # compile=true: a folder of the model's forward and backward compiled ahead of time, one
+    # file per input shape and mode (trainer/precompiled.py); runs load what they find there
+    # instead of compiling, and add what they lack. "" off: inductor's own caches only
+    compile_cache: str = ""
     device: str = "auto"  # auto | cpu | cuda
     checkpoint: str = ""  # eval / export: the checkpoint to read (default: the newest of the run)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -282,6 +286,13 @@ def _validate_compile_options(cfg: TrainConfig):
     would otherwise fail (or ignore it) only at the first compilation, after set-up."""
     if cfg.compile_options and not cfg.compile:
         raise ConfigError("compile_options only apply with compile=true; add compile=true or drop them")
+    if cfg.compile_cache and not cfg.compile:
+        raise ConfigError("compile_cache only applies with compile=true; add compile=true or drop it")
+    if cfg.compile_cache:
+        import torch
+        if not hasattr(torch.compile(len), "aot_compile"):
+            raise ConfigError(f"compile_cache needs torch.compile's aot_compile, which torch {torch.__version__} "
+                              f"lacks; drop compile_cache or install a newer torch")
     from torch._inductor import config as inductor
     settings = inductor.get_config_copy()
     for key, value in _given_options(cfg).items():

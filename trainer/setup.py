@@ -1,5 +1,6 @@
 """From a validated configuration to the objects of the data flow: model, variants, plans."""
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -76,6 +77,9 @@ def compiled(model: nn.Module, cfg: TrainConfig) -> nn.Module:
     cache. Their backward is traced into the graph that keys the cache."""
     from torch._functorch import config as aot_config
     aot_config.autograd_cache_allow_custom_autograd_functions = True
+    if cfg.compile_cache:
+        from trainer.precompiled import Precompiled
+        return Precompiled(model, compile_options(cfg), Path(cfg.compile_cache))
     return torch.compile(model, dynamic=False, options=compile_options(cfg))
 
 
