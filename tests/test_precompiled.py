@@ -12,6 +12,9 @@ from trainer.dist import Dist
 from trainer.errors import ConfigError
 from trainer.precompiled import Precompiled
 
+if not hasattr(torch.compile(len), "aot_compile"):
+    pytest.skip(f"torch {torch.__version__} has no torch.compile(...).aot_compile", allow_module_level=True)
+
 TINY = ["data.train_size=512", "data.val_size=128", "trainer.batch_size=32", "trainer.epochs=1", "compile=true"]
 
 
@@ -68,3 +71,16 @@ def test_artifacts_serve_the_calls_their_guards_take_and_compile_the_rest(tmp_pa
 def test_compile_cache_without_compile_is_refused():
     with pytest.raises(ConfigError, match="compile_cache only applies with compile=true"):
         compose_config(["compile_cache=/tmp/somewhere"])
+
+
+def test_an_artifact_that_cannot_be_saved_still_serves_the_run(tmp_path, monkeypatch, caplog):
+    from torch._dynamo.aot_compile import AOTCompiledFunction
+
+    def refuse(self, path, *args, **kwargs):
+        raise OSError("read-only file system")
+    monkeypatch.setattr(AOTCompiledFunction, "save_compiled_function", refuse)
+    net, x = Net(), torch.randn(2, 3, 8, 8)
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        assert torch.allclose(Precompiled(net, {}, tmp_path)(x), net(x), atol=1e-6)
+    assert "could not save" in caplog.text and "read-only file system" in caplog.text
+    assert not list(tmp_path.glob("*.aot"))

@@ -68,17 +68,23 @@ class Precompiled:
             with open(path, "rb") as f:
                 return torch.compiler.load_compiled_function(f)
         except Exception as e:  # a truncated or foreign file costs a compile, not the run
-            log.warning("compile_cache: %s does not load (%s: %s); compiling instead", path, type(e).__name__,
-                        str(e).splitlines()[0] if str(e) else "")
+            log.warning("compile_cache: skipping %s, which does not load (%s)", path, _first_line(e))
             return None
 
     def _compile(self, x: torch.Tensor):
-        # torch releases before 2.14 keep aot_compile behind this switch
+        # where torch has this switch, aot_compile needs it on
         switch = {"enable_aot_compile": True} if hasattr(torch._dynamo.config, "enable_aot_compile") else {}
         with torch._dynamo.config.patch(**switch):
             fn = torch.compile(self.model.forward, fullgraph=True, dynamic=False,
                                options=self.options).aot_compile(((x,), {}))
         path = self.folder / f"{self.prefix}-{uuid.uuid4().hex[:12]}.aot"  # ranks may add theirs at once
-        fn.save_compiled_function(str(path))  # written to a temporary file and renamed
-        log.info("compile_cache: compiled and saved %s", path)
+        try:
+            fn.save_compiled_function(str(path))  # written to a temporary file and renamed
+            log.info("compile_cache: compiled and saved %s", path)
+        except Exception as e:  # the compiled function still serves this run
+            log.warning("compile_cache: compiled, but could not save %s (%s)", path, _first_line(e))
         return fn
+
+
+def _first_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
