@@ -68,9 +68,12 @@ def test_artifacts_serve_the_calls_their_guards_take_and_compile_the_rest(tmp_pa
     assert torch.allclose(changed(x), expected, atol=1e-6) and len(list(tmp_path.glob("*.aot"))) == 4
 
 
-def test_compile_cache_without_compile_is_refused():
+def test_compile_cache_without_compile_or_on_a_file_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="compile_cache only applies with compile=true"):
-        compose_config(["compile_cache=/tmp/somewhere"])
+        compose_config([f"compile_cache={tmp_path}"])
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="is a file; give a folder"):
+        compose_config(["compile=true", f"compile_cache={tmp_path / 'file'}"])
 
 
 def test_an_artifact_that_cannot_be_saved_still_serves_the_run(tmp_path, monkeypatch, caplog):

@@ -289,6 +289,8 @@ def _validate_compile_options(cfg: TrainConfig):
     if cfg.compile_cache and not cfg.compile:
         raise ConfigError("compile_cache only applies with compile=true; add compile=true or drop it")
     if cfg.compile_cache:
+        if Path(cfg.compile_cache).exists() and not Path(cfg.compile_cache).is_dir():
+            raise ConfigError(f"compile_cache={cfg.compile_cache} is a file; give a folder (made if missing)")
         import torch
         if not hasattr(torch.compile(len), "aot_compile"):
             raise ConfigError(f"compile_cache needs torch.compile's aot_compile, which torch {torch.__version__} "
