@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.setup_probe import Laps  # noqa: E402
 from trainer.config import compile_options, compose_config  # noqa: E402
 from trainer.feeder import BUFFERS  # noqa: E402
+from trainer.precompiled import compile_ahead  # noqa: E402
 from trainer.setup import assemble, compiled, use_device  # noqa: E402
 
 MODES = ("make", "load", "warm")
@@ -38,8 +39,7 @@ def main(mode: str, path: str, overrides: list[str]):
     program.handover.release()  # with the arena's .grad views bound, the saved guards do not load
     lap("assemble")
     if mode == "make":
-        fn = torch.compile(model.forward, fullgraph=True, dynamic=False,
-                           options=compile_options(cfg)).aot_compile(((x,), {}))
+        fn = compile_ahead(model, x, compile_options(cfg))
         lap("aot_compile")
         fn.save_compiled_function(path)
         lap(f"save ({os.path.getsize(path) / 2**20:.1f} MiB)")

@@ -286,9 +286,9 @@ def _validate_compile_options(cfg: TrainConfig):
     would otherwise fail (or ignore it) only at the first compilation, after set-up."""
     if cfg.compile_options and not cfg.compile:
         raise ConfigError("compile_options only apply with compile=true; add compile=true or drop them")
-    if cfg.compile_cache and not cfg.compile:
-        raise ConfigError("compile_cache only applies with compile=true; add compile=true or drop it")
     if cfg.compile_cache:
+        if not cfg.compile:
+            raise ConfigError("compile_cache only applies with compile=true; add compile=true or drop it")
         if Path(cfg.compile_cache).exists() and not Path(cfg.compile_cache).is_dir():
             raise ConfigError(f"compile_cache={cfg.compile_cache} is a file; give a folder (made if missing)")
         import torch

@@ -31,6 +31,15 @@ def source_digest() -> str:
     return h.hexdigest()
 
 
+def compile_ahead(model: nn.Module, x: torch.Tensor, options: dict):
+    """model's forward on inputs like x, with its backward, compiled ahead of time: called
+    as fn(model, x), saved by fn.save_compiled_function(path)."""
+    # where torch has this switch, aot_compile needs it on
+    switch = {"enable_aot_compile": True} if hasattr(torch._dynamo.config, "enable_aot_compile") else {}
+    with torch._dynamo.config.patch(**switch):
+        return torch.compile(model.forward, fullgraph=True, dynamic=False, options=options).aot_compile(((x,), {}))
+
+
 class Precompiled:
     """Callable as the model is, on one input: runs the first artifact whose guards take
     the call, loading the folder's files as it needs them and compiling a new one when
@@ -72,11 +81,7 @@ class Precompiled:
             return None
 
     def _compile(self, x: torch.Tensor):
-        # where torch has this switch, aot_compile needs it on
-        switch = {"enable_aot_compile": True} if hasattr(torch._dynamo.config, "enable_aot_compile") else {}
-        with torch._dynamo.config.patch(**switch):
-            fn = torch.compile(self.model.forward, fullgraph=True, dynamic=False,
-                               options=self.options).aot_compile(((x,), {}))
+        fn = compile_ahead(self.model, x, self.options)
         path = self.folder / f"{self.prefix}-{uuid.uuid4().hex[:12]}.aot"  # ranks may add theirs at once
         try:
             fn.save_compiled_function(str(path))  # written to a temporary file and renamed
