@@ -10,9 +10,9 @@ from trainer import precompiled
 from trainer.config import compose_config
 from trainer.dist import Dist
 from trainer.errors import ConfigError
-from trainer.precompiled import Precompiled
+from trainer.precompiled import Precompiled, aot_compile_available
 
-if not hasattr(torch.compile(len), "aot_compile"):
+if not aot_compile_available():
     pytest.skip(f"torch {torch.__version__} has no torch.compile(...).aot_compile", allow_module_level=True)
 
 TINY = ["data.train_size=512", "data.val_size=128", "trainer.batch_size=32", "trainer.epochs=1", "compile=true"]
@@ -74,6 +74,16 @@ def test_compile_cache_without_compile_or_on_a_file_is_refused(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match="is a file; give a folder"):
         compose_config(["compile=true", f"compile_cache={tmp_path / 'file'}"])
+
+
+def test_compile_cache_turns_on_the_switch_that_torch_2_11_leaves_off(tmp_path):
+    """torch 2.11 gives torch.compile's result its aot_compile only with Dynamo's
+    enable_aot_compile on, which is off there by default; the check and the compile turn it on."""
+    with torch._dynamo.config.patch(enable_aot_compile=False):
+        compose_config(["compile=true", f"compile_cache={tmp_path}"])
+        net, x = Net(), torch.randn(2, 3, 8, 8)
+        assert torch.allclose(Precompiled(net, {}, tmp_path)(x), net(x), atol=1e-6)
+    assert len(list(tmp_path.glob("*.aot"))) == 1
 
 
 def test_an_artifact_that_cannot_be_saved_still_serves_the_run(tmp_path, monkeypatch, caplog):

@@ -292,7 +292,8 @@ def _validate_compile_options(cfg: TrainConfig):
         if Path(cfg.compile_cache).exists() and not Path(cfg.compile_cache).is_dir():
             raise ConfigError(f"compile_cache={cfg.compile_cache} is a file; give a folder (made if missing)")
         import torch
-        if not hasattr(torch.compile(len), "aot_compile"):
+        from trainer.precompiled import aot_compile_available
+        if not aot_compile_available():
             raise ConfigError(f"compile_cache needs torch.compile's aot_compile, which torch {torch.__version__} "
                               f"lacks; drop compile_cache or install a newer torch")
     from torch._inductor import config as inductor

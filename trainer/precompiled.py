@@ -31,12 +31,22 @@ def source_digest() -> str:
     return h.hexdigest()
 
 
+def aot_switch():
+    """Dynamo's setting that gives torch.compile's result its aot_compile, on; torch 2.11
+    has it off by default, 2.14 on."""
+    switch = {"enable_aot_compile": True} if hasattr(torch._dynamo.config, "enable_aot_compile") else {}
+    return torch._dynamo.config.patch(**switch)
+
+
+def aot_compile_available() -> bool:
+    with aot_switch():
+        return hasattr(torch.compile(len), "aot_compile")
+
+
 def compile_ahead(model: nn.Module, x: torch.Tensor, options: dict):
     """model's forward on inputs like x, with its backward, compiled ahead of time: called
     as fn(model, x), saved by fn.save_compiled_function(path)."""
-    # where torch has this switch, aot_compile needs it on
-    switch = {"enable_aot_compile": True} if hasattr(torch._dynamo.config, "enable_aot_compile") else {}
-    with torch._dynamo.config.patch(**switch):
+    with aot_switch():
         return torch.compile(model.forward, fullgraph=True, dynamic=False, options=options).aot_compile(((x,), {}))
 
 
