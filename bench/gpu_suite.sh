@@ -4,13 +4,13 @@
 # Logs go to $OUT (or ./gpu_logs). The CIFAR sections read $CIFAR (default ../shared/data/cifar10-jpeg.tgz);
 # the cifar* sections and coldsetup run +experiment=$EXP (default cifar10_speed); cifar5c and cifarprobe
 # add the overrides in $ARGS; cifar5c names its sweep cifar5$TAG. r18c, r50b64c, r50compile, r50cdt
-# firststep and aotprobe add $ARGS too and name their logs with $TAG (r50p and bnsweep too):
+# firststep and compilecache add $ARGS too and name their logs with $TAG (r50p and bnsweep too):
 #   TAG=_autotune ARGS="model.cudnn_benchmark=true" bash bench/gpu_suite.sh r50b64c r50compile
 #   TAG=_freeze3 ARGS="trainer.stem_norm_freeze_epochs=3" bash bench/gpu_suite.sh cifar5c
 #   TAG=full ARGS="bench.profile_rows=400" bash bench/gpu_suite.sh r50p   # every kernel of both steps
 # firststep: bench/first_step_probe.py on ResNet-50 b256 with compile=true, on a fresh inductor cache.
-# aotprobe: bench/aot_probe.py there: make the artifact, load it, then compile as the trainer does (cold, warm).
-# compilecache: ours alone on ResNet-50 b256 with compile_cache, twice: the first run compiles and saves, the second loads.
+# compilecache: ours alone on ResNet-50 b256 with compile_cache, as on two new machines (inductor's and Triton's caches empty
+# each time): the first run compiles cold and saves the bundle, the second loads it.
 # disttests and r50dp need two GPUs (r50dp: one GPU, then two, then two with compile=true);
 # fusionprobe needs the nvidia-cudnn-frontend package (docs/BENCHMARKS.md, "Session I").
 set -u
@@ -75,15 +75,9 @@ for s in "$@"; do case $s in
           section firststep_bench$TAG 200 $P model.cudnn_benchmark=true
           unset TORCHINDUCTOR_CACHE_DIR;;
   compilecache) C="$(mktemp -d)"
-          for run in 1 2; do section compilecache$run$TAG 400 python3 run.py mode=bench $R50 trainer.batch_size=256 \
-            "bench.baselines=[]" compile=true compile_cache=$C $ARGS hydra.run.dir=$OUT/compilecache$run$TAG; done;;
-  aotprobe) export TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)"; A="$TORCHINDUCTOR_CACHE_DIR/r50.aot"
-          O="$R50 trainer.batch_size=256 $ARGS"
-          section aot_make$TAG 400 python3 bench/aot_probe.py make $A $O
-          section aot_load$TAG 120 python3 bench/aot_probe.py load $A $O
-          section aot_cold$TAG 300 python3 bench/aot_probe.py warm $A $O
-          section aot_warm$TAG 200 python3 bench/aot_probe.py warm $A $O
-          unset TORCHINDUCTOR_CACHE_DIR;;
+          for run in 1 2; do section compilecache$run$TAG 400 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" TRITON_CACHE_DIR="$(mktemp -d)" \
+            python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.baselines=[]" compile=true compile_cache=$C $ARGS \
+            hydra.run.dir=$OUT/compilecache$run$TAG; done; ls -l $C;;
   loader) python3 -m trainer.data.make_jpeg_tree /tmp/tree --classes 100 --per-class 130 --val-per-class 10 > /dev/null
           section loader 200 python3 bench/loader_bench.py data.root=/tmp/tree;;
   loader8) section loader8 200 python3 bench/loader_bench.py data.root=/tmp/tree data.threads=8;;

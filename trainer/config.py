@@ -291,11 +291,6 @@ def _validate_compile_options(cfg: TrainConfig):
             raise ConfigError("compile_cache only applies with compile=true; add compile=true or drop it")
         if Path(cfg.compile_cache).exists() and not Path(cfg.compile_cache).is_dir():
             raise ConfigError(f"compile_cache={cfg.compile_cache} is a file; give a folder (made if missing)")
-        import torch
-        from trainer.precompiled import aot_compile_available
-        if not aot_compile_available():
-            raise ConfigError(f"compile_cache needs torch.compile's aot_compile, which torch {torch.__version__} "
-                              f"lacks; drop compile_cache or install a newer torch")
     from torch._inductor import config as inductor
     settings = inductor.get_config_copy()
     for key, value in _given_options(cfg).items():
