@@ -5,7 +5,9 @@ autotuning, inductor's runtime tuning, Triton's loading), the other warm-up call
 the captures, and one replay. Then dynamo's own timers, inductor's tuning counters and
 the functions cProfile saw take the most time. Run it twice on one inductor cache, cold
 and then warm; model.cudnn_benchmark=true|false puts cuDNN's autotuning in or out, to
-show its share (ResNet-50's config leaves it out):
+show its share (ResNet-50's config leaves it out). With compile_cache=DIR and empty
+TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR it shows a new machine's first step, the
+first run saving the bundle and the second loading it (section compilecacheprobe):
 
     python bench/first_step_probe.py model=resnet50 data.resolution=224 data.num_classes=1000 \\
         amp=true trainer.batch_size=256 compile=true
@@ -50,11 +52,15 @@ def main(overrides: list[str]):
     lap(f"capture: {engine.executor.warmup} warm-ups, a capture each")
     engine.executor.run(*keys[0])
     lap("one replay")
+    if engine.compile_cache is not None:
+        engine.compile_cache.save()
+        lap("compile_cache: save")
     profiler.disable()
     print(f"{'in all':<44} {lap.t - lap.start:7.2f} s\n")
     from torch._dynamo.utils import compile_times, counters
     print(compile_times(repr="str", aggregate=True))
-    print("inductor counters:", {k: v for k, v in counters["inductor"].items() if v})
+    for kind in ("inductor", "aot_autograd"):
+        print(f"{kind} counters:", {k: v for k, v in counters[kind].items() if v})
     for order in ("cumulative", "tottime"):
         out = io.StringIO()
         pstats.Stats(profiler, stream=out).sort_stats(order).print_stats(45)

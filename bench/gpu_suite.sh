@@ -11,6 +11,7 @@
 # firststep: bench/first_step_probe.py on ResNet-50 b256 with compile=true, on a fresh inductor cache.
 # compilecache: ours alone on ResNet-50 b256 with compile_cache, as on two new machines (inductor's and Triton's caches empty
 # each time): the first run compiles cold and saves the bundle, the second loads it.
+# compilecacheprobe: bench/first_step_probe.py on the $EXP recipe's model as on two new machines with one compile_cache.
 # disttests and r50dp need two GPUs (r50dp: one GPU, then two, then two with compile=true);
 # fusionprobe needs the nvidia-cudnn-frontend package (docs/BENCHMARKS.md, "Session I").
 set -u
@@ -78,6 +79,9 @@ for s in "$@"; do case $s in
           for run in 1 2; do section compilecache$run$TAG 400 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" TRITON_CACHE_DIR="$(mktemp -d)" \
             python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.baselines=[]" compile=true compile_cache=$C $ARGS \
             hydra.run.dir=$OUT/compilecache$run$TAG; done; ls -l $C;;
+  compilecacheprobe) C="$(mktemp -d)"
+          for run in 1 2; do section ccprobe$run$TAG 300 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" TRITON_CACHE_DIR="$(mktemp -d)" \
+            python3 bench/first_step_probe.py +experiment=$EXP data.root=$CIFAR compile=true compile_cache=$C $ARGS; done;;
   loader) python3 -m trainer.data.make_jpeg_tree /tmp/tree --classes 100 --per-class 130 --val-per-class 10 > /dev/null
           section loader 200 python3 bench/loader_bench.py data.root=/tmp/tree;;
   loader8) section loader8 200 python3 bench/loader_bench.py data.root=/tmp/tree data.threads=8;;
