@@ -29,6 +29,8 @@ def _misses() -> int:
 
 
 class CompileCache:
+    """The folder's bundles for this torch and kind of device: loaded once, saved as new ones."""
+
     def __init__(self, folder: Path, device: torch.device):
         kind = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         self.folder = folder
