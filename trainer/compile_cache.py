@@ -39,7 +39,6 @@ class CompileCache:
 
     def load(self):
         """Into the machine's caches, before the first compile."""
-        self.folder.mkdir(parents=True, exist_ok=True)
         artifacts = 0
         for path in sorted(self.folder.glob(f"{self.prefix}-*.bin")):
             try:
@@ -62,6 +61,7 @@ class CompileCache:
         self.misses_seen = _misses()
         path = None
         try:
+            self.folder.mkdir(parents=True, exist_ok=True)
             data, _ = torch.compiler.save_cache_artifacts()
             path = self.folder / f"{self.prefix}-{hashlib.sha256(data).hexdigest()[:16]}.bin"
             partial = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")  # whole or absent: renamed when written
