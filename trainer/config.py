@@ -148,9 +148,9 @@ class TrainConfig:
     # inductor settings for compile=true, over INDUCTOR_DEFAULTS, e.g.
     # +compile_options.coordinate_descent_tuning=false for a shorter first compile
     compile_options: dict[str, Any] = field(default_factory=dict)
-    # compile=true: a folder of the model's forward and backward compiled ahead of time, one
-    # file per input shape and mode (trainer/precompiled.py); runs load what they find there
-    # instead of compiling, and add what they lack. "" off: inductor's own caches only
+    # compile=true: a folder that carries torch.compile's caches between machines
+    # (trainer/compile_cache.py): set-up loads its bundles before compiling and saves one
+    # more where it compiled anything new. "" off: the machine's own caches only
     compile_cache: str = ""
     device: str = "auto"  # auto | cpu | cuda
     checkpoint: str = ""  # eval / export: the checkpoint to read (default: the newest of the run)
