@@ -44,6 +44,18 @@ def test_a_new_machine_with_the_folder_compiles_nothing_and_trains_the_same(tmp_
     assert hits == 0 and misses == first_misses
 
 
+def test_evaluation_alone_saves_what_it_compiled(tmp_path, monkeypatch):
+    """mode=eval compiles its evaluation after set-up on a CPU; the bundle still has it."""
+    from trainer.app import run_eval
+    from trainer.loop import Trainer
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "machine"))
+    Trainer(compose_config([*TINY, "compile=false"]), tmp_path / "run", Dist()).fit()
+    torch._dynamo.reset()
+    run_eval(compose_config([*TINY, "mode=eval", f"checkpoint={tmp_path / 'run'}", f"compile_cache={tmp_path / 'cache'}"]),
+             tmp_path / "eval")
+    assert len(list((tmp_path / "cache").glob("*.bin"))) == 1
+
+
 def test_a_bundle_that_does_not_load_is_skipped(tmp_path, caplog):
     cache = CompileCache(tmp_path, torch.device("cpu"))
     (tmp_path / f"{cache.prefix}-0.bin").write_bytes(b"not a bundle")
