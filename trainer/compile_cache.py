@@ -7,8 +7,9 @@ kernel tuned: ResNet-50's first step takes 55 s on an H200 against 11 s with the
 warm (docs/BENCHMARKS.md). The folder carries those caches between machines, through
 torch's portable cache bundles (torch.compiler.save_cache_artifacts/load_cache_artifacts):
 before the first compile, set-up loads every bundle of this torch and kind of device into
-the machine's caches; after set-up and at the end of the run, the main process saves one
-more bundle if it compiled anything the caches lacked since it last loaded or saved.
+the machine's caches; after set-up and at the end of the run (or of mode=eval), the main
+process saves one more bundle if it compiled anything the caches lacked since it last
+loaded or saved.
 Inductor's own keys (the graph, the inductor settings, torch, Triton, the device) decide
 what a bundle serves, so one that fits nothing costs its load."""
 import hashlib
