@@ -1,6 +1,7 @@
-"""Would BatchNorm and ReLU folded into cuDNN's convolutions pay for ResNet-50? Layer by
-layer on one GPU, at ResNet-50's bottleneck shapes (fp16, channels-last), what our
-compiled step runs now against what cuDNN's graph API can fuse:
+"""Would BatchNorm and ReLU folded into cuDNN's convolutions pay? Layer by layer on one
+GPU, at the shapes of ResNet-50's bottlenecks or of the 32x32 ResNet-18's basic blocks
+(fp16, channels-last), what our compiled step runs now against what cuDNN's graph API
+can fuse:
 
   forward, now:   the convolution (ATen, cuDNN autotuned), inductor's statistics pass over
                   its output, inductor's normalize+ReLU of the convolution's input;
@@ -15,7 +16,7 @@ Each fused graph is checked against its torch computation first. Blocks' first l
 (normalize, residual add, ReLU) is the same in both and left out. Needs the
 `nvidia-cudnn-frontend` package; the trainer does not use this.
 
-    python bench/fusion_probe.py [batch]
+    python bench/fusion_probe.py [batch] [resnet50 | resnet18_cifar]
 """
 import sys
 
@@ -26,8 +27,14 @@ import torch.nn.functional as F
 DEVICE = torch.device("cuda")
 EPS = 1e-5
 torch._dynamo.config.cache_size_limit = 64  # each shape is compiled on its own, as in the step
-# ResNet-50: (width, spatial size, blocks) of each stage; every block is 1x1 4w->w, 3x3 w->w, 1x1 w->4w
-STAGES = [(64, 56, 3), (128, 28, 4), (256, 14, 6), (512, 7, 3)]
+# (width, spatial size, blocks) of each stage, and each block's convolutions: (name, in, out
+# channels as multiples of the width, kernel size, whether a BatchNorm+ReLU comes before it)
+MODELS = {
+    "resnet50": ([(64, 56, 3), (128, 28, 4), (256, 14, 6), (512, 7, 3)],
+                 [("1x1 in", 4, 1, 1, False), ("3x3", 1, 1, 3, True), ("1x1 out", 1, 4, 1, True)]),
+    "resnet18_cifar": ([(64, 32, 2), (128, 16, 2), (256, 8, 2), (512, 4, 2)],
+                       [("3x3 a", 1, 1, 3, False), ("3x3 b", 1, 1, 3, True)]),
+}
 
 
 def timed(fn, reps: int = 10, rounds: int = 5) -> tuple[float, bool]:
@@ -236,18 +243,19 @@ def unit(handle, n: int, cin: int, cout: int, hw: int, k: int, prologue: bool) -
     return r
 
 
-def main(batch: int):
+def main(batch: int, model: str):
+    stages, block = MODELS[model]
     torch.backends.cudnn.benchmark = True
     handle = cudnn.create_handle()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()} "
-          f"(frontend {cudnn.__version__}, backend {cudnn.backend_version()}); ResNet-50 b{batch}, fp16, channels-last")
+          f"(frontend {cudnn.__version__}, backend {cudnn.backend_version()}); {model} b{batch}, fp16, channels-last")
     head = ("layer", "blocks", "conv", "stats", "norm", "fused_fprop", "dgrad", "wgrad", "bnb", "fused_wgrad",
             "fused_bnb", "fwd now", "fwd fused", "bwd now", "bwd fused", "worst err", "cuDNN in a CUDA graph")
     print(" | ".join(head))
     totals = dict.fromkeys(("fwd now", "fwd fused", "bwd now", "bwd fused", "bwd cudnn bn only"), 0.0)
-    for width, hw, blocks in STAGES:
-        for name, cin, cout, k, prologue in (("1x1 in", 4 * width, width, 1, False), ("3x3", width, width, 3, True),
-                                             ("1x1 out", width, 4 * width, 1, True)):
+    for width, hw, blocks in stages:
+        for name, c_in, c_out, k, prologue in block:
+            cin, cout = c_in * width, c_out * width
             label = f"{hw}x{hw} {name} {cin}->{cout}"
             try:
                 r = unit(handle, batch, cin, cout, hw, k, prologue)
@@ -272,4 +280,4 @@ def main(batch: int):
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 256)
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 256, sys.argv[2] if len(sys.argv) > 2 else "resnet50")

@@ -13,7 +13,8 @@
 # each time): the first run compiles cold and saves the bundle, the second loads it.
 # compilecacheprobe: bench/first_step_probe.py on the $EXP recipe's model as on two new machines with one compile_cache.
 # disttests and r50dp need two GPUs (r50dp: one GPU, then two, then two with compile=true);
-# fusionprobe needs the nvidia-cudnn-frontend package (docs/BENCHMARKS.md, "Session I").
+# fusionprobe needs the nvidia-cudnn-frontend package (docs/BENCHMARKS.md, "Session I"); ARGS="512 resnet18_cifar"
+# TAG=_r18 times the 32x32 ResNet-18's layers instead of ResNet-50's.
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 TAG=${TAG:-}; ARGS=${ARGS:-}; export EXP=${EXP:-cifar10_speed}
@@ -35,7 +36,7 @@ for s in "$@"; do case $s in
             amp=true compile=$2 trainer.batch_size=256 data.train_size=$(($1 * 256 * 12)) data.val_size=512 trainer.epochs=2 \
             trainer.log_every=1 hydra.run.dir=$OUT/r50dp$1$2; done
           python3 bench/throughput.py $OUT/r50dp1false $OUT/r50dp2false $OUT/r50dp2true;;
-  fusionprobe) section fusionprobe 540 python3 bench/fusion_probe.py 256;;
+  fusionprobe) section fusionprobe$TAG 540 python3 bench/fusion_probe.py ${ARGS:-256};;  # ARGS="512 resnet18_cifar"
   kernels) section kernels 120 python3 bench/kernels_bench.py;;
   bnsweep) section bnsweep$TAG 420 python3 bench/batch_norm_sweep.py $ARGS;;
   poolsweep) section poolsweep 200 python3 bench/max_pool_sweep.py;;
