@@ -13,8 +13,8 @@
 # each time): the first run compiles cold and saves the bundle, the second loads it.
 # compilecacheprobe: bench/first_step_probe.py on the $EXP recipe's model as on two new machines with one compile_cache.
 # disttests and r50dp need two GPUs (r50dp: one GPU, then two, then two with compile=true);
-# fusionprobe needs the nvidia-cudnn-frontend package (docs/BENCHMARKS.md, "Session I"); ARGS="512 resnet18_cifar"
-# TAG=_r18 times the 32x32 ResNet-18's layers instead of ResNet-50's.
+# fusionprobe needs the nvidia-cudnn-frontend package (docs/BENCHMARKS.md, "Session I"); with
+# ARGS="512 resnet18_cifar" (and TAG=_r18 to name its log) it times the 32x32 ResNet-18's layers, not ResNet-50's.
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 TAG=${TAG:-}; ARGS=${ARGS:-}; export EXP=${EXP:-cifar10_speed}
