@@ -57,9 +57,10 @@ class CompileCache:
 
     def save(self):
         """This process's compilations as one bundle, where the caches lacked any since the last load or save."""
-        if _misses() == self.misses_seen:
+        misses = _misses()
+        if misses == self.misses_seen:
             return
-        self.misses_seen = _misses()
+        self.misses_seen = misses
         path = None
         try:
             self.folder.mkdir(parents=True, exist_ok=True)

@@ -93,7 +93,7 @@ class Engine:
     executor: Executor
     per_epoch: int  # training steps of a full epoch on each rank
     settle_step: int | None  # from this step on the `_frozen` variants train: every freeze has happened
-    compile_cache: CompileCache | None  # compile_cache=DIR: saved once set-up has compiled
+    compile_cache: CompileCache | None  # compile_cache=DIR: loaded here; the runs save what they compile
 
     def variant(self, name: str) -> Variant:
         return next(v for v in self.plans.variants if v.name == name)
