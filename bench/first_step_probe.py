@@ -5,9 +5,9 @@ autotuning, inductor's runtime tuning, Triton's loading), the other warm-up call
 the captures, and one replay. Then dynamo's own timers, inductor's tuning counters and
 the functions cProfile saw take the most time. Run it twice on one inductor cache, cold
 and then warm; model.cudnn_benchmark=true|false puts cuDNN's autotuning in or out, to
-show its share (ResNet-50's config leaves it out). With compile_cache=DIR and empty
-TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR it shows a new machine's first step, the
-first run saving the bundle and the second loading it (section compilecacheprobe):
+show its share (ResNet-50's config leaves it out). With compile_cache=DIR, the first run
+fills the folder and the second, given a copy of it elsewhere, shows a new machine's
+first step (section compilecacheprobe):
 
     python bench/first_step_probe.py model=resnet50 data.resolution=224 data.num_classes=1000 \\
         amp=true trainer.batch_size=256 compile=true
@@ -18,15 +18,30 @@ import importlib
 import io
 import pstats
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.setup_probe import Laps  # noqa: E402
 from trainer.config import compose_config  # noqa: E402
 from trainer.feeder import BUFFERS  # noqa: E402
 from trainer.setup import assemble, use_device  # noqa: E402
+
+
+class Laps:
+    """Prints the seconds since the last lap. `sync` runs first: what waits for queued
+    device work, for phases that leave some."""
+
+    def __init__(self, sync=lambda: None):
+        self.start = self.t = time.perf_counter()
+        self.sync = sync
+
+    def __call__(self, what: str):
+        self.sync()
+        t = time.perf_counter()
+        print(f"{what:<44} {t - self.t:7.2f} s", flush=True)
+        self.t = t
 
 
 def main(overrides: list[str]):
@@ -52,9 +67,6 @@ def main(overrides: list[str]):
     lap(f"capture: {engine.executor.warmup} warm-ups, a capture each")
     engine.executor.run(*keys[0])
     lap("one replay")
-    if engine.compile_cache is not None:
-        engine.compile_cache.save()
-        lap("compile_cache: save")
     profiler.disable()
     print(f"{'in all':<44} {lap.t - lap.start:7.2f} s\n")
     from torch._dynamo.utils import compile_times, counters

@@ -9,9 +9,9 @@
 #   TAG=_freeze3 ARGS="trainer.stem_norm_freeze_epochs=3" bash bench/gpu_suite.sh cifar5c
 #   TAG=full ARGS="bench.profile_rows=400" bash bench/gpu_suite.sh r50p   # every kernel of both steps
 # firststep: bench/first_step_probe.py on ResNet-50 b256 with compile=true, on a fresh inductor cache.
-# compilecache: ours alone on ResNet-50 b256 with compile_cache, as on two new machines (inductor's and Triton's caches empty
-# each time): the first run compiles cold and saves the bundle, the second loads it.
-# compilecacheprobe: bench/first_step_probe.py on the $EXP recipe's model as on two new machines with one compile_cache.
+# compilecache: ours alone on ResNet-50 b256 with compile_cache: a cold run fills an empty folder, then a new machine's
+# first and second process run on a copy of it at another path.
+# compilecacheprobe: bench/first_step_probe.py on the $EXP recipe's model, the same way.
 # disttests and r50dp need two GPUs (r50dp: one GPU, then two, then two with compile=true);
 # fusionprobe needs the nvidia-cudnn-frontend package (docs/BENCHMARKS.md, "Session I"); with
 # ARGS="512 resnet18_cifar" (and TAG=_r18 to name its log) it times the 32x32 ResNet-18's layers, not ResNet-50's.
@@ -26,6 +26,12 @@ section() {  # name, timeout, command...
   echo "=== $name"; local t0=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
   echo "=== $name rc=$rc $((SECONDS - t0))s"; tail -n 25 "$OUT/$name.log"
+}
+new_machine() {  # name, timeout, command...: a cold run into an empty compile_cache folder, then two runs
+  # on a copy of it at another path, as a new machine's first process and its next
+  local C="$(mktemp -d)/cache"
+  section $1"1"$TAG $2 "${@:3}" compile_cache=$C; cp -r "$C" "$C.2"
+  for run in 2 3; do section $1$run$TAG $2 "${@:3}" compile_cache=$C.2; done; du -sh "$C" "$C.2"
 }
 for s in "$@"; do case $s in
   env) nvidia-smi -L; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.backends.cudnn.version())";;
@@ -76,13 +82,8 @@ for s in "$@"; do case $s in
           section firststep_cold$TAG 300 $P; section firststep_warm$TAG 200 $P
           section firststep_bench$TAG 200 $P model.cudnn_benchmark=true
           unset TORCHINDUCTOR_CACHE_DIR;;
-  compilecache) C="$(mktemp -d)"
-          for run in 1 2; do section compilecache$run$TAG 400 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" TRITON_CACHE_DIR="$(mktemp -d)" \
-            python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.baselines=[]" compile=true compile_cache=$C $ARGS \
-            hydra.run.dir=$OUT/compilecache$run$TAG; done; ls -l $C;;
-  compilecacheprobe) C="$(mktemp -d)"
-          for run in 1 2; do section ccprobe$run$TAG 300 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" TRITON_CACHE_DIR="$(mktemp -d)" \
-            python3 bench/first_step_probe.py +experiment=$EXP data.root=$CIFAR compile=true compile_cache=$C $ARGS; done;;
+  compilecache) new_machine compilecache 400 python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.baselines=[]" compile=true $ARGS;;
+  compilecacheprobe) new_machine ccprobe 300 python3 bench/first_step_probe.py +experiment=$EXP data.root=$CIFAR compile=true $ARGS;;
   loader) python3 -m trainer.data.make_jpeg_tree /tmp/tree --classes 100 --per-class 130 --val-per-class 10 > /dev/null
           section loader 200 python3 bench/loader_bench.py data.root=/tmp/tree;;
   loader8) section loader8 200 python3 bench/loader_bench.py data.root=/tmp/tree data.threads=8;;

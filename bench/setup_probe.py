@@ -9,32 +9,17 @@ import importlib
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.first_step_probe import Laps  # noqa: E402
 from trainer.config import compose_config  # noqa: E402
 from trainer.data import cifar  # noqa: E402
 from trainer.data.jpeg_files import check_bytes  # noqa: E402
 from trainer.dist import Dist  # noqa: E402
-
-
-class Laps:
-    """Prints the seconds since the last lap. `sync` runs first: what waits for queued
-    device work, for phases that leave some (bench/first_step_probe.py)."""
-
-    def __init__(self, sync=lambda: None):
-        self.start = self.t = time.perf_counter()
-        self.sync = sync
-
-    def __call__(self, what: str):
-        self.sync()
-        t = time.perf_counter()
-        print(f"{what:<44} {t - self.t:7.2f} s", flush=True)
-        self.t = t
 
 
 def main(overrides: list[str]):

@@ -1,11 +1,11 @@
-"""compile_cache: torch.compile's caches carried in a folder, so that a machine that never
-compiled the model starts with them warm."""
-import logging
+"""compile_cache: torch.compile's caches kept in a folder, so that a machine given the
+folder starts with them warm."""
+import os
+import shutil
 
 import pytest
 import torch
 
-from trainer.compile_cache import CompileCache
 from trainer.config import compose_config
 from trainer.dist import Dist
 from trainer.errors import ConfigError
@@ -15,11 +15,12 @@ TINY = ["data.train_size=512", "data.val_size=128", "trainer.batch_size=32", "tr
 
 
 def _run_on_a_new_machine(tmp_path, monkeypatch, name: str, overrides: list[str]):
-    """A run in a fresh process's state, with the machine's caches empty."""
+    """A run in a fresh process's state, with the machine's own caches empty."""
     from torch._dynamo.utils import counters
 
     from trainer.loop import Trainer
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / f"machine_{name}"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / f"machine_{name}_triton"))
     torch._dynamo.reset()
     counters.clear()
     summary = Trainer(compose_config([*TINY, *overrides]), tmp_path / name, Dist()).fit()
@@ -29,59 +30,31 @@ def _run_on_a_new_machine(tmp_path, monkeypatch, name: str, overrides: list[str]
 
 
 def test_a_new_machine_with_the_folder_compiles_nothing_and_trains_the_same(tmp_path, monkeypatch):
-    """The first run compiles its training step and its (folded) evaluation and saves their
-    caches in the folder; a run on another machine loads them, compiles nothing, adds no
-    bundle and ends as the first does. Without the folder that machine compiles all again."""
-    folder = [f"compile_cache={tmp_path / 'cache'}"]
-    first, _, first_misses = _run_on_a_new_machine(tmp_path, monkeypatch, "first", folder)
-    saved = sorted((tmp_path / "cache").glob("*.bin"))
-    second, hits, misses = _run_on_a_new_machine(tmp_path, monkeypatch, "second", folder)
-    assert len(saved) == 1 and first_misses >= 4  # forward and backward of training, and evaluation
+    """The first run compiles its training step and its (folded) evaluation into the
+    folder, not into the machine's caches; a run on another machine, given a copy of the
+    folder at another path, compiles nothing and ends as the first does. Without the
+    folder that machine compiles all again."""
+    first, _, first_misses = _run_on_a_new_machine(tmp_path, monkeypatch, "first",
+                                                   [f"compile_cache={tmp_path / 'cache'}"])
+    assert first_misses >= 4  # forward and backward of training, and evaluation
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "cache" / "triton")  # the trainer's own kernels too
+    assert not (tmp_path / "machine_first").exists()
+    shutil.copytree(tmp_path / "cache", tmp_path / "elsewhere" / "cache")
+    second, hits, misses = _run_on_a_new_machine(tmp_path, monkeypatch, "second",
+                                                 [f"compile_cache={tmp_path / 'elsewhere' / 'cache'}"])
     assert misses == 0 and hits == first_misses
-    assert sorted((tmp_path / "cache").glob("*.bin")) == saved
     assert second == pytest.approx(first, rel=1e-6)
     _, hits, misses = _run_on_a_new_machine(tmp_path, monkeypatch, "without", [])
     assert hits == 0 and misses == first_misses
 
 
-def test_evaluation_alone_saves_what_it_compiled(tmp_path, monkeypatch):
-    """mode=eval compiles its evaluation after set-up on a CPU; the bundle still has it."""
-    from trainer.app import run_eval
-    from trainer.loop import Trainer
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "machine"))
-    Trainer(compose_config([*TINY, "compile=false"]), tmp_path / "run", Dist()).fit()
-    torch._dynamo.reset()
-    run_eval(compose_config([*TINY, "mode=eval", f"checkpoint={tmp_path / 'run'}", f"compile_cache={tmp_path / 'cache'}"]),
-             tmp_path / "eval")
-    assert len(list((tmp_path / "cache").glob("*.bin"))) == 1
-
-
-def test_a_bundle_that_does_not_load_is_skipped(tmp_path, caplog):
-    cache = CompileCache(tmp_path, torch.device("cpu"))
-    (tmp_path / f"{cache.prefix}-0.bin").write_bytes(b"not a bundle")
-    (tmp_path / "torch0.0-other device-0.bin").write_bytes(b"another torch's: not read")
-    with caplog.at_level(logging.WARNING, logger="trainer"):
-        cache.load()
-    assert caplog.text.count("skipping") == 1 and f"{cache.prefix}-0.bin" in caplog.text
-
-
-def test_a_folder_that_cannot_be_made_costs_the_bundle_not_the_run(tmp_path, monkeypatch, caplog):
-    """Nothing to load there, and the save that fails says so; the compiled model still runs."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "machine"))
-    torch._dynamo.reset()
-    (tmp_path / "file").write_text("")
-    cache = CompileCache(tmp_path / "file" / "cache", torch.device("cpu"))
-    cache.load()
-    net, x = torch.nn.Linear(4, 2), torch.randn(3, 4)
-    assert torch.allclose(torch.compile(net)(x), net(x))  # a compile the machine's caches lacked
-    with caplog.at_level(logging.WARNING, logger="trainer"):
-        cache.save()
-    assert "could not save" in caplog.text and "NotADirectoryError" in caplog.text
-
-
-def test_compile_cache_without_compile_or_on_a_file_is_refused(tmp_path):
+def test_compile_cache_without_compile_or_where_no_folder_can_be_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="compile_cache only applies with compile=true"):
         compose_config([f"compile_cache={tmp_path}"])
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match="is a file; give a folder"):
         compose_config(["compile=true", f"compile_cache={tmp_path / 'file'}"])
+    with pytest.raises(ConfigError, match="cannot make the folder"):
+        compose_config(["compile=true", f"compile_cache={tmp_path / 'file' / 'cache'}"])
+    compose_config(["compile=true", f"compile_cache={tmp_path / 'new' / 'cache'}"])
+    assert (tmp_path / "new" / "cache").is_dir()

@@ -45,7 +45,6 @@ def run_eval(cfg: TrainConfig, run_dir: Path):
     cfg.trainer.resume = _checkpoint_path(cfg)
     trainer = Trainer(cfg, run_dir, dist.start(cfg), evaluate_only=True)
     result = trainer.evaluate()
-    trainer.save_compile_cache()  # without graphs, evaluation compiled
     print(json.dumps(result))
     (run_dir / "summary.json").write_text(json.dumps({**result, "checkpoint": cfg.trainer.resume}, indent=1))
 

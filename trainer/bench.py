@@ -135,8 +135,6 @@ def ours(cfg: TrainConfig, device) -> Result:
     name = f"ours {cfg.optimizer.name}" + (f" {cfg.amp_dtype}" if cfg.amp else " fp32") + (
         " compile" if cfg.compile else "") + ("" if engine.executor.use_graphs else " eager")
     result = _measure(cfg, name, step, t0, device)
-    if engine.compile_cache is not None:  # after the steps: without graphs, the first step compiled
-        engine.compile_cache.save()
     result.arena_gib = engine.plans.main.total_bytes / 2**30
     del engine
     return result

@@ -1,6 +1,7 @@
 """The configuration schema. Hydra composes conf/ onto these dataclasses, so a misspelled
 key or a value of the wrong type fails at composition; validate() then rejects values
 that type-check but cannot work. Both end in one message and a non-zero exit."""
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -148,9 +149,8 @@ class TrainConfig:
     # inductor settings for compile=true, over INDUCTOR_DEFAULTS, e.g.
     # +compile_options.coordinate_descent_tuning=false for a shorter first compile
     compile_options: dict[str, Any] = field(default_factory=dict)
-    # compile=true: a folder that carries torch.compile's caches between machines
-    # (trainer/compile_cache.py): set-up loads its bundles before compiling and saves one
-    # more where it compiled anything new. "" off: the machine's own caches only
+    # compile=true: a folder for torch.compile's caches (inductor's and Triton's), to carry
+    # or share between machines (trainer/compile_cache.py); "" leaves them where they are
     compile_cache: str = ""
     device: str = "auto"  # auto | cpu | cuda
     checkpoint: str = ""  # eval / export: the checkpoint to read (default: the newest of the run)
@@ -289,8 +289,16 @@ def _validate_compile_options(cfg: TrainConfig):
     if cfg.compile_cache:
         if not cfg.compile:
             raise ConfigError("compile_cache only applies with compile=true; add compile=true or drop it")
-        if Path(cfg.compile_cache).exists() and not Path(cfg.compile_cache).is_dir():
-            raise ConfigError(f"compile_cache={cfg.compile_cache} is a file; give a folder (made if missing)")
+        folder = Path(cfg.compile_cache)
+        if folder.exists() and not folder.is_dir():
+            raise ConfigError(f"compile_cache={folder} is a file; give a folder (made if missing)")
+        try:  # made now: the compilers would fail only at the first compile, after set-up
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"compile_cache={folder}: cannot make the folder ({e.strerror}); give one "
+                              f"this process can write") from None
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise ConfigError(f"compile_cache={folder}: this process cannot write there; give a folder it can write")
     from torch._inductor import config as inductor
     settings = inductor.get_config_copy()
     for key, value in _given_options(cfg).items():

@@ -79,7 +79,6 @@ class Trainer:
         model_and_plan = self.clock()
         # evaluation alone (mode=eval) needs no training graphs: their capture is seconds of set-up
         self.executor.capture(self.executor.keys(train=False) if evaluate_only else None)
-        self.save_compile_cache()  # on a GPU the capture's warm-up compiled all
         if cfg.ema:  # evaluation swaps the EMA weights in eagerly: compile those kernels now, not in the timed run
             self.ops.sema_switch()
             self.ops.sema_switch()
@@ -230,18 +229,12 @@ class Trainer:
                 break
         self.run_seconds = self._elapsed(run_start, result_at if result_at is not None else self._event())
         self.metrics.close()
-        self.save_compile_cache()  # without graphs, the steps compiled
         summary = self.summary(row)
         if self.dist.is_main:
             write_summary(self.run_dir, summary)
             if self.history:
                 plot_curves(self.run_dir, self.history)
         return summary
-
-    def save_compile_cache(self):
-        """compile_cache=DIR: what this process compiled, for other machines; ranks compile the same graphs."""
-        if self.engine.compile_cache is not None and self.dist.is_main:
-            self.engine.compile_cache.save()
 
     def _record(self, row: dict):
         self.history.append(row)

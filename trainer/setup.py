@@ -9,7 +9,7 @@ from torch import nn
 from kernels import load as load_kernels
 from trainer.arena import Arena
 from trainer.binding import bind
-from trainer.compile_cache import CompileCache
+from trainer.compile_cache import use_compile_cache
 from trainer.config import TrainConfig, compile_options, freeze_epochs, plan_config
 from trainer.data import dataset_sizes
 from trainer.errors import ConfigError
@@ -25,10 +25,13 @@ from trainer.variants import Variant, derive_variants
 
 
 def use_device(device: torch.device, cfg: TrainConfig):
-    """Make `device` the current one, with cuDNN's autotuning as cfg.model.cudnn_benchmark says."""
+    """The process's settings for a run on `device`, first thing: the current device, cuDNN's
+    autotuning as cfg.model.cudnn_benchmark says, torch.compile's caches in cfg.compile_cache."""
     torch.backends.cudnn.benchmark = cfg.model.cudnn_benchmark
     if device.type == "cuda" and device.index is not None:  # torch 2.11 refuses a bare "cuda"
         torch.cuda.set_device(device)
+    if cfg.compile_cache:
+        use_compile_cache(Path(cfg.compile_cache))
 
 
 def make_model(cfg: TrainConfig) -> nn.Module:
@@ -93,7 +96,6 @@ class Engine:
     executor: Executor
     per_epoch: int  # training steps of a full epoch on each rank
     settle_step: int | None  # from this step on the `_frozen` variants train: every freeze has happened
-    compile_cache: CompileCache | None  # compile_cache=DIR: loaded here; the runs save what they compile
 
     def variant(self, name: str) -> Variant:
         return next(v for v in self.plans.variants if v.name == name)
@@ -136,13 +138,10 @@ def assemble(cfg: TrainConfig, device: torch.device, world: int = 1,
                      t.grad_scale_init)
     ops.set_ema_decay(cfg.ema_decay)
     grad_sync = grad_sync_factory(ops) if grad_sync_factory is not None else None
-    cache = CompileCache(Path(cfg.compile_cache), device) if cfg.compile and cfg.compile_cache else None
-    if cache is not None:
-        cache.load()
     forward = compiled(model, cfg) if cfg.compile else model
     programs = {(v.name, b): Program(v, b, model, plans.tensors[v.name], arena, ops, t.label_smoothing,
                                      cfg.data.tta, grad_sync, forward, tuple(late_frozen))
                 for v in plans.variants for b in BUFFERS}
     settle_step = max(step for _, step in freezes) if late_frozen else None
     return Engine(model, plans, arena, ops, programs, Executor(programs, arena, cfg.graphs), per_epoch,
-                  settle_step, cache)
+                  settle_step)
