@@ -129,6 +129,9 @@ class BenchConfig:
     steps: int = 40  # timed steps; the median is reported
     warmup: int = 10
     baselines: list[str] = field(default_factory=lambda: ["eager_bf16", "eager_fp16", "compile_bf16"])
+    # the plain loops autotune cuDNN, as a loop written for speed does; false leaves them
+    # torch's default, cuDNN's heuristic choice (the loop the baselines were timed with)
+    baseline_autotune: bool = True
     optimizers: list[str] = field(default_factory=lambda: ["momentum"])  # our step, once per optimizer
     out: str = ""  # also append the table to this markdown file
     profile: int = 0  # also profile this many steps of each method: where its time goes, kernel by kernel
