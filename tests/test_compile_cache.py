@@ -58,3 +58,22 @@ def test_compile_cache_without_compile_or_where_no_folder_can_be_is_refused(tmp_
         compose_config(["compile=true", f"compile_cache={tmp_path / 'file' / 'cache'}"])
     compose_config(["compile=true", f"compile_cache={tmp_path / 'new' / 'cache'}"])
     assert (tmp_path / "new" / "cache").is_dir()
+
+
+def test_triton_assembles_with_the_ptxas_torch_ships(tmp_path, monkeypatch):
+    """Triton keys its cache by the ptxas version: every kernel of a run goes through the one
+    inductor's compiles use (torch's, where torch ships one), or a warm load would build
+    the cold run's kernels again. A ptxas the user chose stays."""
+    from trainer.compile_cache import use_torch_ptxas
+    monkeypatch.delenv("TRITON_PTXAS_PATH", raising=False)
+    use_torch_ptxas(tmp_path)
+    assert "TRITON_PTXAS_PATH" not in os.environ  # no ptxas in this torch: Triton's own
+    ptxas = tmp_path / "bin" / "ptxas"
+    ptxas.parent.mkdir()
+    ptxas.write_text("#!/bin/sh\n")
+    ptxas.chmod(0o755)
+    use_torch_ptxas(tmp_path)
+    assert os.environ["TRITON_PTXAS_PATH"] == str(ptxas)
+    monkeypatch.setenv("TRITON_PTXAS_PATH", "/opt/cuda/bin/ptxas")
+    use_torch_ptxas(tmp_path)
+    assert os.environ["TRITON_PTXAS_PATH"] == "/opt/cuda/bin/ptxas"

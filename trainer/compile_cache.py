@@ -10,14 +10,20 @@ against 11 s with the caches warm (docs/BENCHMARKS.md). compile_cache=DIR puts b
 in DIR, so a machine that is given the folder (a copy, or a shared file system) starts
 warm. Their entries are keyed by everything they depend on (the graph, the settings,
 torch, Triton, the device) and written by atomic renames, so one folder serves several
-models, torch versions and GPUs, and ranks and runs may share it. Torch 2.11's first
-process to load a cold run's entries builds some Triton kernels again, under new keys
-that then stay in the folder: a folder that a cold run and one more run have used takes
-a new machine to ResNet-50's first step in 10.9 s, against 22 s after the cold run alone.
+models, torch versions and GPUs, and ranks and runs may share it.
+
+Triton's keys include the version of the ptxas that assembles a kernel. Inductor points
+Triton at the ptxas that torch ships only on its own compile paths (its workers, its
+compiles in the process, as a warm load makes): before use_torch_ptxas, a cold run's own compiles (the kernels'
+tuning, the trainer's kernels) used Triton's ptxas (CUDA 12.8 with Triton 3.6) and every
+later process torch's (13.0 with torch 2.11+cu130), so the first warm load, from this
+folder or from the machine's caches, built 32 of ResNet-18's kernels again.
 """
 import logging
 import os
 from pathlib import Path
+
+import torch
 
 log = logging.getLogger("trainer")
 
@@ -30,3 +36,12 @@ def use_compile_cache(folder: Path):
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder / "inductor")
     os.environ["TRITON_CACHE_DIR"] = str(folder / "triton")
     log.info("compile_cache: inductor's and Triton's caches in %s", folder)
+
+
+def use_torch_ptxas(torch_dir: Path = Path(torch.__file__).parent):
+    """Every Triton kernel of this process assembled by the ptxas torch ships, where it ships
+    one (torch_dir/bin/ptxas, the one inductor picks), from the first kernel on. A
+    TRITON_PTXAS_PATH already set is kept."""
+    ptxas = torch_dir / "bin" / "ptxas"
+    if "TRITON_PTXAS_PATH" not in os.environ and ptxas.is_file() and os.access(ptxas, os.X_OK):
+        os.environ["TRITON_PTXAS_PATH"] = str(ptxas)

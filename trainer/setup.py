@@ -9,7 +9,7 @@ from torch import nn
 from kernels import load as load_kernels
 from trainer.arena import Arena
 from trainer.binding import bind
-from trainer.compile_cache import use_compile_cache
+from trainer.compile_cache import use_compile_cache, use_torch_ptxas
 from trainer.config import TrainConfig, compile_options, freeze_epochs, plan_config
 from trainer.data import dataset_sizes
 from trainer.errors import ConfigError
@@ -26,10 +26,13 @@ from trainer.variants import Variant, derive_variants
 
 def use_device(device: torch.device, cfg: TrainConfig):
     """The process's settings for a run on `device`, first thing: the current device, cuDNN's
-    autotuning as cfg.model.cudnn_benchmark says, torch.compile's caches in cfg.compile_cache."""
+    autotuning as cfg.model.cudnn_benchmark says, one ptxas for every Triton kernel,
+    torch.compile's caches in cfg.compile_cache."""
     torch.backends.cudnn.benchmark = cfg.model.cudnn_benchmark
-    if device.type == "cuda" and device.index is not None:  # torch 2.11 refuses a bare "cuda"
-        torch.cuda.set_device(device)
+    if device.type == "cuda":
+        if device.index is not None:  # torch 2.11 refuses a bare "cuda"
+            torch.cuda.set_device(device)
+        use_torch_ptxas()
     if cfg.compile_cache:
         use_compile_cache(Path(cfg.compile_cache))
 
