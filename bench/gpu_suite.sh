@@ -15,6 +15,7 @@
 # disttests and r50dp need two GPUs (r50dp: one GPU, then two, then two with compile=true);
 # fusionprobe needs the nvidia-cudnn-frontend package (docs/BENCHMARKS.md, "Session I"); with
 # ARGS="512 resnet18_cifar" (and TAG=_r18 to name its log) it times the 32x32 ResNet-18's layers, not ResNet-50's.
+# streamprobe: bench/stream_probe.py, the weight gradients on a second stream; ARGS="256 resnet50" for ResNet-50's.
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 TAG=${TAG:-}; ARGS=${ARGS:-}; export EXP=${EXP:-cifar10_speed}
@@ -43,6 +44,7 @@ for s in "$@"; do case $s in
             trainer.log_every=1 hydra.run.dir=$OUT/r50dp$1$2; done
           python3 bench/throughput.py $OUT/r50dp1false $OUT/r50dp2false $OUT/r50dp2true;;
   fusionprobe) section fusionprobe$TAG 540 python3 bench/fusion_probe.py ${ARGS:-256};;  # ARGS="512 resnet18_cifar"
+  streamprobe) section streamprobe$TAG 200 python3 bench/stream_probe.py ${ARGS:-512 resnet18_cifar};;
   kernels) section kernels 120 python3 bench/kernels_bench.py;;
   bnsweep) section bnsweep$TAG 420 python3 bench/batch_norm_sweep.py $ARGS;;
   poolsweep) section poolsweep 200 python3 bench/max_pool_sweep.py;;
