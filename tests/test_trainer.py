@@ -360,6 +360,38 @@ def test_compile_options_reach_inductor_with_their_dotted_names_over_the_default
         assert inductor["use_static_cuda_launcher"] is False  # keeps the tuning in the cache
 
 
+def test_convolutions_are_tuned_one_by_one_and_training_state_is_left_alone():
+    """Before the first step, cuDNN's autotuning runs each convolution's forward and its
+    backward alone (the first conv's without a gradient for the input, as in the step),
+    and leaves the arena (weights, gradient slots, BatchNorm statistics), the .grad slots
+    and the training mode as they were."""
+    from torch import nn
+
+    from trainer.executor import tune_convolutions
+    from trainer.setup import assemble
+    engine = assemble(config(*TINY, "amp=true"), torch.device("cpu"))
+    program = next(p for p in engine.programs.values() if p.variant.train)
+    model, before = program.model, engine.arena.storage.clone()
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+    forwards, weight_grads, input_grads = {}, {}, []
+
+    def watch(conv, args):
+        forwards[conv] = forwards.get(conv, 0) + 1
+        if args[0].requires_grad:
+            args[0].register_hook(lambda g: input_grads.append(conv))
+    for conv in convs:
+        conv.register_forward_pre_hook(watch)
+        conv.weight.register_hook(lambda g, m=conv: weight_grads.__setitem__(m, weight_grads.get(m, 0) + 1))
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    model.train()
+    tune_convolutions(model, program.x)
+    assert len(convs) > 5 and all(forwards[c] == 2 for c in convs)  # the evaluation pass, then alone
+    assert all(weight_grads[c] == 1 for c in convs)
+    assert convs[0] not in input_grads and set(input_grads) == set(convs[1:])
+    assert torch.equal(engine.arena.storage, before)
+    assert all(p.grad is grads[n] for n, p in model.named_parameters()) and model.training
+
+
 @pytest.mark.parametrize("given, autotune", [([], True), (["model.cudnn_benchmark=false"], False),
                                              (["model=resnet50"], False),
                                              (["model=resnet50", "model.cudnn_benchmark=true"], True)])
