@@ -13,11 +13,12 @@ torch, Triton, the device) and written by atomic renames, so one folder serves s
 models, torch versions and GPUs, and ranks and runs may share it.
 
 Triton's keys include the version of the ptxas that assembles a kernel. Inductor points
-Triton at the ptxas that torch ships only on its own compile paths (its workers, its
-compiles in the process, as a warm load makes): before use_torch_ptxas, a cold run's own compiles (the kernels'
-tuning, the trainer's kernels) used Triton's ptxas (CUDA 12.8 with Triton 3.6) and every
-later process torch's (13.0 with torch 2.11+cu130), so the first warm load, from this
-folder or from the machine's caches, built 32 of ResNet-18's kernels again.
+Triton at the ptxas that torch ships only on its own compile paths (its workers, and its
+compiles in the process, as a warm load makes them): before use_torch_ptxas, a cold
+run's other compiles (the kernels' tuning, the trainer's kernels) used Triton's ptxas
+(CUDA 12.8 with Triton 3.6) and every later process torch's (13.0 with torch
+2.11+cu130), so the first warm load, from this folder or from the machine's caches,
+built 32 of ResNet-18's kernels again.
 """
 import logging
 import os
