@@ -17,10 +17,13 @@ those of the kernels and their overlap, not of a trained network.
 On an H200 it gained nothing at ResNet-18 b512 and ResNet-50 b256 (docs/BENCHMARKS.md, "Session S").
 """
 import sys
+from pathlib import Path
 
 import torch
 
-from kernels import triton_ops
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.kernels_bench import graph_ms  # noqa: E402
+from kernels import triton_ops  # noqa: E402
 
 DEVICE = torch.device("cuda")
 
@@ -92,37 +95,15 @@ def backward(layers, side: torch.cuda.Stream | None, join_each: bool):
         main.wait_stream(side)
 
 
-def timed(fn, reps: int = 5, rounds: int = 7) -> float:
-    warm = torch.cuda.Stream()
-    warm.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(warm):
-        fn(), fn()
-    torch.cuda.current_stream().wait_stream(warm)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(rounds):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / reps)
-    return sorted(times)[len(times) // 2]
-
-
 def main(batch: int, model: str):
     torch.backends.cudnn.benchmark = True
     layers = [Layer(batch, *conv) for conv in MODELS[model]()]
     side = torch.cuda.Stream()
-    one = timed(lambda: backward(layers, None, False))
-    per_layer = timed(lambda: backward(layers, side, True))
-    at_end = timed(lambda: backward(layers, side, False))
-    wgrad_only = timed(lambda: [layer.wgrad() for layer in layers])
-    rest = timed(lambda: [layer.dgrad() for layer in layers])
+    one = graph_ms(lambda: backward(layers, None, False))
+    per_layer = graph_ms(lambda: backward(layers, side, True))
+    at_end = graph_ms(lambda: backward(layers, side, False))
+    wgrad_only = graph_ms(lambda: [layer.wgrad() for layer in layers])
+    rest = graph_ms(lambda: [layer.dgrad() for layer in layers])
     print(f"{model} b{batch}, {len(layers)} convolutions, torch {torch.__version__}, {torch.cuda.get_device_name()}")
     print(f"| schedule | backward ms |\n|---|---|\n| one stream | {one:.3f} |\n"
           f"| wgrad on a side stream, joined per layer | {per_layer:.3f} |\n"
