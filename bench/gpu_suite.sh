@@ -57,7 +57,7 @@ for s in "$@"; do case $s in
   r50b64) section r50b64 120 python3 run.py mode=bench $R50 trainer.batch_size=64 "bench.baselines=[eager_bf16,eager_fp16]" hydra.run.dir=$OUT/r50b64;;
   r18) section r18 120 python3 run.py mode=bench model=resnet18_cifar data.resolution=32 amp=true trainer.batch_size=512 "bench.baselines=[eager_bf16,eager_fp16]" hydra.run.dir=$OUT/r18;;
   cifar1) section cifar1 180 python3 run.py +experiment=$EXP data.root=$CIFAR hydra.run.dir=$OUT/cifar1;;
-  cifar1c) section cifar1c 240 python3 run.py +experiment=$EXP compile=true data.root=$CIFAR hydra.run.dir=$OUT/cifar1c;;
+  cifar1c) section cifar1c 300 python3 run.py +experiment=$EXP compile=true data.root=$CIFAR hydra.run.dir=$OUT/cifar1c;;
   cifar5auto) c=false; grep -q '"val_top1"' $OUT/cifar1c/summary.json 2>/dev/null && c=true
           section cifar5 360 python3 run.py -m +experiment=$EXP compile=$c data.root=$CIFAR trainer.seed=0,1,2,3,4 hydra.sweep.dir=$OUT/cifar5
           python3 bench/seeds.py $OUT/cifar5;;

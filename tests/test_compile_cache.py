@@ -29,13 +29,15 @@ def _run_on_a_new_machine(tmp_path, monkeypatch, name: str, overrides: list[str]
     return (summary["train_loss"], summary["val_loss"], summary["val_top1"]), hits, misses
 
 
-def test_a_new_machine_with_the_folder_compiles_nothing_and_trains_the_same(tmp_path, monkeypatch):
+def test_a_new_machine_with_the_folder_compiles_nothing_and_trains_the_same(tmp_path, monkeypatch, caplog):
     """The first run compiles its training step and its (folded) evaluation into the
-    folder, not into the machine's caches; a run on another machine, given a copy of the
-    folder at another path, compiles nothing and ends as the first does. Without the
-    folder that machine compiles all again."""
-    first, _, first_misses = _run_on_a_new_machine(tmp_path, monkeypatch, "first",
-                                                   [f"compile_cache={tmp_path / 'cache'}"])
+    folder, not into the machine's caches, and says so before it starts; a run on another
+    machine, given a copy of the folder at another path, compiles nothing and ends as the
+    first does. Without the folder that machine compiles all again."""
+    with caplog.at_level("INFO", logger="trainer"):
+        first, _, first_misses = _run_on_a_new_machine(tmp_path, monkeypatch, "first",
+                                                       [f"compile_cache={tmp_path / 'cache'}"])
+    assert f"load it from {(tmp_path / 'cache').resolve()} in seconds" in caplog.text
     assert first_misses >= 4  # forward and backward of training, and evaluation
     assert os.environ["TRITON_CACHE_DIR"] == str((tmp_path / "cache").resolve() / "triton")  # the trainer's kernels too
     assert not (tmp_path / "machine_first").exists()

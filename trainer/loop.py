@@ -77,6 +77,10 @@ class Trainer:
             self.start_epoch, self.history = done["epoch"], done.get("history", [])
             log.info("resumed from %s after epoch %d", t.resume, self.start_epoch)
         model_and_plan = self.clock()
+        if cfg.compile:  # else a machine's first compile is minutes without a word
+            log.info("compile=true: inductor compiles each program at its first call; a machine's first compile "
+                     "takes minutes, later runs load it from %s in seconds",
+                     Path(cfg.compile_cache).resolve() if cfg.compile_cache else "inductor's cache")
         # evaluation alone (mode=eval) needs no training graphs: their capture is seconds of set-up
         self.executor.capture(self.executor.keys(train=False) if evaluate_only else None)
         if cfg.ema:  # evaluation swaps the EMA weights in eagerly: compile those kernels now, not in the timed run
