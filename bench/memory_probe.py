@@ -27,9 +27,13 @@ def lap(what: str):
 
 def where(frames: list[dict]) -> str:
     """The allocating code: the innermost frames outside torch's own package (the trainer,
-    the kernels, inductor's generated code)."""
+    the kernels, inductor's generated code), after the innermost frame of all where that
+    lies inside torch (an allocation of inductor's runtime, say)."""
     ours = [f for f in frames if "/site-packages/" not in f["filename"] and "/lib/python" not in f["filename"]]
-    return " < ".join(f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in (ours or frames)[:3])
+    shown = (ours or frames)[:3]
+    if frames and frames[0] is not shown[0]:
+        shown = [frames[0], *shown[:2]]
+    return " < ".join(f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in shown)
 
 
 def live_at_peak(trace: list[dict], start_bytes: int, top: int = 15):
