@@ -26,9 +26,9 @@ def lap(what: str):
 
 
 def where(frames: list[dict]) -> str:
-    """The allocating code: the innermost frames outside torch's own package (the trainer,
-    the kernels, inductor's generated code), after the innermost frame of all where that
-    lies inside torch (an allocation of inductor's runtime, say)."""
+    """The allocating code: the innermost frame where it lies inside torch (an ATen op,
+    inductor's runtime), then the innermost frames outside torch's own package (the
+    trainer, the kernels, inductor's generated code)."""
     ours = [f for f in frames if "/site-packages/" not in f["filename"] and "/lib/python" not in f["filename"]]
     shown = (ours or frames)[:3]
     if frames and frames[0] is not shown[0]:
