@@ -101,12 +101,20 @@ def test_checkpoint_from_another_model_is_refused(tmp_path):
         train(tmp_path / "c", "trainer.epochs=1", "optimizer=lars", f"trainer.resume={tmp_path / 'a'}")
 
 
-def test_truncated_checkpoint_is_refused_with_its_path(tmp_path):
+@pytest.mark.parametrize("damage", ["truncated", "objects beside tensors"])
+def test_a_damaged_checkpoint_is_refused_in_one_line_with_its_path(tmp_path, damage):
+    """One line naming the file and what to do; none of torch.load's advice to its own
+    callers (weights_only=False would run whatever the file holds)."""
     train(tmp_path / "a", "trainer.epochs=1")
     path = checkpoint.latest(tmp_path / "a")
-    path.write_bytes(path.read_bytes()[:1000])
-    with pytest.raises(CheckpointError, match="truncated"):
+    if damage == "truncated":
+        path.write_bytes(path.read_bytes()[:1000])
+    else:  # torch.save's archive, of what a tensors-only load refuses
+        torch.save({"run_dir": tmp_path}, path)
+    with pytest.raises(CheckpointError, match="is not a readable checkpoint .*truncated") as refused:
         train(tmp_path / "b", "trainer.epochs=1", f"trainer.resume={path}")
+    message = str(refused.value)
+    assert str(path) in message and "\n" not in message and "weights_only" not in message, message
 
 
 def test_export_loads_into_torchvision(tmp_path):

@@ -79,8 +79,11 @@ def read(path: Path) -> dict:
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}: {e}); "
-                              f"it may be truncated: use an earlier one") from None
+        # only the first sentence: torch's goes on with advice for its own callers (load with
+        # weights_only=False, file an issue) that is wrong for a damaged or foreign file
+        why = str(e).splitlines()[0].split(". ")[0] if str(e) else "unreadable"
+        raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}: {why}); it may be "
+                              f"truncated or not one this trainer wrote: use an earlier one") from None
     if not isinstance(payload, dict) or "state_fingerprint" not in payload:
         raise CheckpointError(f"{path} is not a checkpoint written by this trainer")
     return payload
