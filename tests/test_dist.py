@@ -76,6 +76,14 @@ def test_torchrun_ranks_share_one_run_directory_and_rank_0_its_log():
         dist.launch_overrides([], {**static, "WORLD_SIZE": "16"})
 
 
+def test_device_cuda_without_a_gpu_is_refused_and_auto_falls_back_to_the_cpu(monkeypatch):
+    from trainer.errors import ConfigError
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert dist.device_for("auto", dist.Dist()) == torch.device("cpu")
+    with pytest.raises(ConfigError, match="device=cuda, but torch finds no usable GPU here.*device=auto"):
+        dist.device_for("cuda", dist.Dist())
+
+
 def test_deep_conv_buckets_split_by_size_and_other_kinds_stay_whole():
     from trainer.planner import unit_sizes
     from trainer.regions import Kind

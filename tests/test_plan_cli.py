@@ -49,6 +49,7 @@ BAD = {
     "negative-batch-size": (["trainer.batch_size=-3"], "trainer.batch_size=-3", True),
     "host-decode-share-above-one": (["data.host_decode=1.5"], "data.host_decode=1.5 must lie in [0, 1]", True),
     "muon-without-a-schedule-peak": (["optimizer=muon", "optimizer.lr=0"], "optimizer=muon with optimizer.lr=0", True),
+    "learning-rate-not-a-number": (["optimizer.lr=nan"], "optimizer.lr=nan must be a finite number", True),
 }
 
 

@@ -75,7 +75,7 @@ def read(path: Path) -> dict:
     if path.is_dir():
         path = latest(path)
     if not path.is_file():
-        raise CheckpointError(f"no checkpoint at {path}: give trainer.resume a checkpoint file or a run directory")
+        raise CheckpointError(f"no checkpoint at {path}: give a checkpoint file, or a run directory that holds them")
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:

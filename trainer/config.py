@@ -1,6 +1,7 @@
 """The configuration schema. Hydra composes conf/ onto these dataclasses, so a misspelled
 key or a value of the wrong type fails at composition; validate() then rejects values
 that type-check but cannot work. Both end in one message and a non-zero exit."""
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -215,6 +216,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for key, choices in _CHOICES.items():
         if _get(cfg, key) not in choices:
             raise ConfigError(f"{key}={_get(cfg, key)!r} is not one of: {', '.join(choices)}")
+    for key in (*_POSITIVE, *_NON_NEGATIVE):  # nan and inf pass the comparisons below
+        if not math.isfinite(_get(cfg, key)):
+            raise ConfigError(f"{key}={_get(cfg, key)} must be a finite number")
     for key in _POSITIVE:
         if not _get(cfg, key) > 0:
             raise ConfigError(f"{key}={_get(cfg, key)} must be positive")

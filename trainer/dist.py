@@ -157,6 +157,9 @@ def _attempt_store(d: Dist, timeout: timedelta) -> dict:
 def device_for(choice: str, d: Dist) -> torch.device:
     if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("device=cuda, but torch finds no usable GPU here (no driver, no device, or a CPU-only "
+                          "torch build); use device=auto, which trains on the CPU then, or device=cpu")
     return torch.device("cuda", d.local_rank)
 
 
