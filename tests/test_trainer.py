@@ -93,6 +93,19 @@ def test_resume_equals_uninterrupted_bit_for_bit(tmp_path):
     assert resumed.history == straight.history
 
 
+def test_resuming_a_finished_run_says_so_and_reports_its_results(tmp_path, caplog):
+    """Resumed with no epoch left (by hand, or by torchrun restarting a job after its last
+    checkpoint), a run trains nothing, says why, and its summary is the checkpoint's."""
+    from trainer.loop import Trainer
+    first = Trainer(config(*TINY, "trainer.epochs=1"), tmp_path / "first", Dist()).fit()
+    with caplog.at_level("INFO", logger="trainer"):
+        again = Trainer(config(*TINY, "trainer.epochs=1", f"trainer.resume={tmp_path / 'first'}"),
+                        tmp_path / "again", Dist()).fit()
+    assert "has trained 1 epoch(s), all that trainer.epochs=1 asks for: nothing left to train" in caplog.text
+    for key in ("val_top1", "val_loss", "train_loss", "steps", "epochs"):
+        assert again[key] == first[key], key
+
+
 def test_checkpoint_from_another_model_is_refused(tmp_path):
     train(tmp_path / "a", "trainer.epochs=1")
     with pytest.raises(CheckpointError, match="model: checkpoint 'fastnet', this run 'cifar_resnet'"):

@@ -77,12 +77,19 @@ class Trainer:
             self.start_epoch, self.history = done["epoch"], done.get("history", [])
             log.info("resumed from %s after epoch %d", t.resume, self.start_epoch)
         model_and_plan = self.clock()
-        if cfg.compile:  # else a machine's first compile is minutes without a word
+        # a finished run resumed, or torchrun restarting a job after its last checkpoint
+        finished = not evaluate_only and self.start_epoch >= math.ceil(t.epochs)
+        if finished:
+            log.info("%s has trained %d epoch(s), all that trainer.epochs=%g asks for: nothing left to train; raise "
+                     "trainer.epochs to train on, or evaluate it with mode=eval checkpoint=%s",
+                     t.resume, self.start_epoch, t.epochs, t.resume)
+        elif cfg.compile:  # else a machine's first compile is minutes without a word
             log.info("compile=true: inductor compiles each program at its first call; a machine's first compile "
                      "takes minutes, later runs load it from %s in seconds",
                      Path(cfg.compile_cache).resolve() if cfg.compile_cache else "inductor's cache")
         # evaluation alone (mode=eval) needs no training graphs: their capture is seconds of set-up
-        self.executor.capture(self.executor.keys(train=False) if evaluate_only else None)
+        if not finished:
+            self.executor.capture(self.executor.keys(train=False) if evaluate_only else None)
         if cfg.ema:  # evaluation swaps the EMA weights in eagerly: compile those kernels now, not in the timed run
             self.ops.sema_switch()
             self.ops.sema_switch()
@@ -204,7 +211,8 @@ class Trainer:
     def fit(self) -> dict:
         t = self.cfg.trainer
         epochs = math.ceil(t.epochs)
-        row, run_start, result_at = {}, self._event(), None
+        # the last epoch's row, which the summary reports: the checkpoint's if nothing is left to train
+        row, run_start, result_at = (self.history[-1] if self.history else {}), self._event(), None
         pending = None  # the previous epoch's row: read once this epoch is queued behind it
         for epoch in range(self.start_epoch, epochs):
             result = self.train_epoch(epoch)
