@@ -316,6 +316,7 @@ def test_bench_sets_our_step_beside_the_plain_loop_and_profiles_both():
     rows = table_rows(text.split("steps profiled:")[0])
     eager, ours = rows["eager_bf16"], rows["ours momentum fp32 eager"]
     assert eager[2] == "1.00x"
+    assert eager[4] == ours[4] == "-"  # no peak memory measured on a CPU
     ratio = float(ours[2].rstrip("x"))  # images/s against eager's, from the two timings
     assert ratio == pytest.approx(float(eager[0]) / float(ours[0]), rel=0.02)
     # each method's profile: its step's operators, which add up to most of the measured step

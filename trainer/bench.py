@@ -25,7 +25,7 @@ class Result:
     method: str
     ms: float
     images_per_s: float
-    peak_gib: float  # from the build on: warm-up, autotuning and capture included
+    peak_gib: float | None  # from the build on: warm-up, autotuning and capture included; None on a CPU
     first_step_s: float
     profile: str = ""
     arena_gib: float | None = None  # ours: the plan's persistent tensors, part of its peak
@@ -68,8 +68,8 @@ def _fresh(device):
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def _peak_gib(device) -> float:
-    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+def _peak_gib(device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
 
 def plain_loop(cfg: TrainConfig, method: str, device) -> Result:
@@ -214,9 +214,9 @@ def table(cfg: TrainConfig, results: list[Result], device) -> str:
     for r in results:
         vs = lambda base: f"{r.images_per_s / base.images_per_s:.2f}x" if base else "-"
         lines.append(f"| {r.method} | {r.ms:.2f} | {r.images_per_s:,.0f} | {vs(eager)} | {vs(compiled)} | "
-                     f"{r.peak_gib:.3f} | {r.first_step_s:.1f} |")
-    arenas = [f"{r.method}: its arena (the plan's persistent tensors) {r.arena_gib:.2f} GiB of its peak"
-              for r in results if r.arena_gib is not None]
+                     f"{'-' if r.peak_gib is None else f'{r.peak_gib:.3f}'} | {r.first_step_s:.1f} |")
+    arenas = [f"{r.method}: its arena (the plan's persistent tensors) {r.arena_gib:.2f} GiB"
+              + ("" if r.peak_gib is None else " of its peak") for r in results if r.arena_gib is not None]
     lines += ["", *arenas] if arenas else []
     for r in results:
         if r.profile:
