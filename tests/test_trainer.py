@@ -4,6 +4,8 @@ import json
 import logging
 import math
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -104,6 +106,29 @@ def test_resuming_a_finished_run_says_so_and_reports_its_results(tmp_path, caplo
     assert "has trained 1 epoch(s), all that trainer.epochs=1 asks for: nothing left to train" in caplog.text
     for key in ("val_top1", "val_loss", "train_loss", "steps", "epochs"):
         assert again[key] == first[key], key
+
+
+def test_ctrl_c_names_the_checkpoint_to_continue_from_which_resumes(tmp_path):
+    """SIGINT mid-run: one line instead of a traceback, exit status 130, and the checkpoint
+    it names is intact: a run resumed from it trains on."""
+    cmd = [sys.executable, str(ROOT / "run.py"), f"hydra.run.dir={tmp_path / 'run'}", "trainer.epochs=1000"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.monotonic() + 120
+    while not list((tmp_path / "run" / "checkpoints").glob("epoch_*.pt")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    printed = "".join(proc.communicate(timeout=60))
+    assert proc.returncode == 130, printed
+    assert "Traceback" not in printed
+    saved = re.search(r"interrupted; continue from epoch_(\d+)\.pt with trainer.resume=(\S+)", printed)
+    assert saved and Path(saved[2]) == tmp_path / "run", printed
+    epoch = int(saved[1])
+    resumed = run(tmp_path / "resumed", f"trainer.resume={saved[2]}", "trainer.epochs=1000",
+                  f"trainer.stop_after_epoch={epoch + 1}")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"after epoch {epoch}" in resumed.stdout + resumed.stderr
+    assert json.loads((tmp_path / "resumed" / "summary.json").read_text())["epochs"] == epoch + 1
 
 
 def test_checkpoint_from_another_model_is_refused(tmp_path):

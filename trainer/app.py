@@ -79,13 +79,18 @@ MODES = {"plan": run_plan, "train": run_train, "eval": run_eval, "export": run_e
 
 
 def main(dict_cfg: DictConfig):
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         cfg = validate(OmegaConf.to_object(dict_cfg))
-        run_dir = Path(HydraConfig.get().runtime.output_dir)
         MODES[cfg.mode](cfg, run_dir)
     except TrainerError as e:
         log.error("%s", e)
         raise SystemExit(2)
+    except KeyboardInterrupt:  # Ctrl-C: a checkpoint is written whole or not at all, so what is there is intact
+        saved = sorted((run_dir / "checkpoints").glob("epoch_*.pt"))
+        log.error("interrupted; %s", f"continue from {saved[-1].name} with trainer.resume={run_dir}" if saved
+                  else "no checkpoint had been written yet")
+        raise SystemExit(130)  # as a shell reports a process that SIGINT ended
     except Exception:
         log.exception("the run failed")  # into this rank's log file too, not only onto stderr
         raise
