@@ -88,8 +88,7 @@ def main(dict_cfg: DictConfig):
         raise SystemExit(2)
     except KeyboardInterrupt:  # Ctrl-C: a checkpoint is written whole or not at all, so what is there is intact
         saved = sorted((run_dir / "checkpoints").glob("epoch_*.pt"))
-        log.error("interrupted; %s", f"continue from {saved[-1].name} with trainer.resume={run_dir}" if saved
-                  else "no checkpoint had been written yet")
+        log.error("interrupted%s", f"; continue from {saved[-1].name} with trainer.resume={run_dir}" if saved else "")
         raise SystemExit(130)  # as a shell reports a process that SIGINT ended
     except Exception:
         log.exception("the run failed")  # into this rank's log file too, not only onto stderr
