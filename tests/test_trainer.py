@@ -131,6 +131,29 @@ def test_ctrl_c_names_the_checkpoint_to_continue_from_which_resumes(tmp_path):
     assert json.loads((tmp_path / "resumed" / "summary.json").read_text())["epochs"] == epoch + 1
 
 
+def test_a_checkpoint_that_cannot_be_written_stops_the_run_and_keeps_the_earlier_ones(tmp_path, monkeypatch):
+    """A failed write (a full disk): the half-written file goes, the message names the
+    checkpoint and how to continue, and the earlier checkpoint still resumes."""
+    real_save, saves = torch.save, []
+
+    def save_until_the_disk_fills(obj, f):
+        saves.append(f)
+        if len(saves) == 2:
+            Path(f).write_bytes(b"half a checkpoint")
+            raise RuntimeError("[enforce fail at inline_container.cc:626] . PytorchStreamWriter failed writing "
+                               "file data/0: file write failed")
+        real_save(obj, f)
+    monkeypatch.setattr(checkpoint.torch, "save", save_until_the_disk_fills)
+    folder = tmp_path / "a" / "checkpoints"
+    with pytest.raises(CheckpointError, match=f"cannot write the checkpoint {folder / 'epoch_0002.pt'} .*file write "
+                                              f"failed.*intact: make room there, then continue with "
+                                              f"trainer.resume={folder}$"):
+        train(tmp_path / "a", "trainer.epochs=3")
+    assert sorted(p.name for p in folder.iterdir()) == ["epoch_0001.pt"]
+    monkeypatch.undo()
+    assert train(tmp_path / "b", "trainer.epochs=3", f"trainer.resume={folder}").history[-1]["epoch"] == 3
+
+
 def test_checkpoint_from_another_model_is_refused(tmp_path):
     train(tmp_path / "a", "trainer.epochs=1")
     with pytest.raises(CheckpointError, match="model: checkpoint 'fastnet', this run 'cifar_resnet'"):

@@ -48,10 +48,15 @@ def save(path: Path, arena: Arena, meta: dict, per_rank: dict | None = None):
                     for r in STATE_REGIONS if plan.region_bytes(r)},
         "scalars": {b.name: arena[plan[b]].cpu().clone() for b in STATE_SCALARS},
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(payload, tmp)
-    os.replace(tmp, path)  # a crash mid-write leaves the previous checkpoint untouched
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(payload, tmp)  # torch's file writer reports a failed write as a RuntimeError
+        os.replace(tmp, path)  # a crash mid-write leaves the previous checkpoint untouched
+    except (OSError, RuntimeError) as e:  # a full disk, a lost mount: drop the part written, keep the rest
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"cannot write the checkpoint {path} ({e}); the earlier ones in {path.parent} "
+                              f"are intact: make room there, then continue with trainer.resume={path.parent}") from None
 
 
 def load(path: Path, arena: Arena, meta_now: dict, rank: int = 0) -> dict:
