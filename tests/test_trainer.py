@@ -31,11 +31,15 @@ def config(*overrides):
     return compose_config(overrides)
 
 
+def command(run_dir: Path, *args, multirun=False) -> list[str]:
+    """`python run.py` with its run (or sweep) directory at run_dir."""
+    where = f"hydra.sweep.dir={run_dir}" if multirun else f"hydra.run.dir={run_dir}"
+    return [sys.executable, str(ROOT / "run.py"), *(["-m"] if multirun else []), where, *args]
+
+
 def run(tmp_path: Path, *args, multirun=False) -> subprocess.CompletedProcess:
-    where = f"hydra.sweep.dir={tmp_path}" if multirun else f"hydra.run.dir={tmp_path}"
-    cmd = [sys.executable, str(ROOT / "run.py"), *(["-m"] if multirun else []), where, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path.parent, timeout=300,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return subprocess.run(command(tmp_path, *args, multirun=multirun), capture_output=True, text=True,
+                          cwd=tmp_path.parent, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
 def test_default_run_learns_and_writes_its_records(tmp_path):
@@ -111,9 +115,8 @@ def test_resuming_a_finished_run_says_so_and_reports_its_results(tmp_path, caplo
 def test_ctrl_c_names_the_checkpoint_to_continue_from_which_resumes(tmp_path):
     """SIGINT mid-run: one line instead of a traceback, exit status 130, and the checkpoint
     it names is intact: a run resumed from it trains on."""
-    cmd = [sys.executable, str(ROOT / "run.py"), f"hydra.run.dir={tmp_path / 'run'}", "trainer.epochs=1000"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(command(tmp_path / "run", "trainer.epochs=1000"), cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + 120
     while not list((tmp_path / "run" / "checkpoints").glob("epoch_*.pt")) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -302,9 +305,9 @@ def test_triton_kernels_train_like_torch_kernels(tmp_path):
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     states = []
     for kernels in ("torch", "triton"):
-        out = subprocess.run([sys.executable, str(ROOT / "run.py"), f"hydra.run.dir={tmp_path / kernels}",
-                              f"kernels={kernels}", "optimizer=lars", "ema=true", "trainer.epochs=1",
-                              *TINY], capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env)
+        out = subprocess.run(command(tmp_path / kernels, f"kernels={kernels}", "optimizer=lars", "ema=true",
+                                     "trainer.epochs=1", *TINY), capture_output=True, text=True, cwd=tmp_path,
+                             timeout=300, env=env)
         assert out.returncode == 0, out.stdout + out.stderr
         states.append(checkpoint.read(tmp_path / kernels)["regions"])
     for name in ("W_BN_BIAS", "W_DEEP_CONV", "M_DEEP_CONV", "E_DEEP_CONV"):
