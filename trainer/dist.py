@@ -155,9 +155,10 @@ def _attempt_store(d: Dist, timeout: timedelta) -> dict:
 
 
 def device_for(choice: str, d: Dist) -> torch.device:
-    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+    gpu = torch.cuda.is_available()
+    if choice == "cpu" or (choice == "auto" and not gpu):
         return torch.device("cpu")
-    if not torch.cuda.is_available():
+    if not gpu:
         raise ConfigError("device=cuda, but torch finds no usable GPU here (no driver, no device, or a CPU-only "
                           "torch build); use device=auto, which trains on the CPU then, or device=cpu")
     return torch.device("cuda", d.local_rank)
