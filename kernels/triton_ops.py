@@ -1,6 +1,7 @@
 """Triton twins of kernels.reference: the same functions with the same signatures, each one
 fused pass over a flat range (every input read once, every output written once; lars_
-makes two: the per-tensor norms, then the update).
+makes two: the per-tensor norms, then the update; under torch's deterministic mode the
+norms are the reference's, whose sums keep a fixed order).
 
 Scalars (learning rate, decay, betas, step, skip flag, ...) stay in device memory and are
 loaded inside the kernels, so a captured CUDA graph replays with their current values.
@@ -13,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import reference
 from kernels.reference import CHUNK, TABLE_COLUMNS, layout, memory_format
 
 # Memory-bound kernels: 4096 elements per program gives a 25.6M-element range 6250 programs
@@ -187,6 +189,8 @@ def _lars_kernel(w_ptr, g_ptr, m_ptr, norms_ptr, norms_stride, seg_ptr, lr_ptr, 
 
 def lars_norms_(w, g, norms, chunk_segment, g_scale=None):
     assert w.numel() == chunk_segment.numel() * CHUNK
+    if torch.are_deterministic_algorithms_enabled():  # the atomics add in no fixed order
+        return reference.lars_norms_(w, g, norms, chunk_segment, g_scale)
     _launch(_lars_norms_kernel, w.numel(), w, g, norms, norms.stride(0), chunk_segment, _or(g_scale, norms),
             G_SCALE=g_scale is not None)
 

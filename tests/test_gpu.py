@@ -35,6 +35,24 @@ def test_graph_replay_trains_like_eager(tmp_path, amp, optimizer):
     torch.testing.assert_close(results[0], results[1], rtol=2e-2 if amp == "amp=true" else 1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("overrides", [["optimizer=lars", "amp=true", "ema=true"],
+                                       ["compile=true", "model=resnet18_cifar", "data.resolution=16", "amp=true"]])
+def test_deterministic_runs_repeat_bit_for_bit_with_or_without_graphs(tmp_path, overrides):
+    """deterministic=true: a second run of one configuration, and the same run without
+    graphs, end with every persistent byte of the first (LARS's norms, otherwise summed
+    by atomics, and inductor's kernels included). Without it, two runs differ in their
+    last bits (cuDNN's autotuned and atomic algorithms)."""
+    from trainer import checkpoint
+    states = []
+    for i, graphs in enumerate(("graphs=true", "graphs=true", "graphs=false")):
+        t = trainer_for(tmp_path / str(i), "deterministic=true", graphs, "trainer.epochs=2", "trainer.seed=3",
+                        *overrides, train_size=256)
+        t.fit()
+        states.append({r: checkpoint._region_bytes(t.arena, r) for r in checkpoint.STATE_REGIONS})
+    for r in checkpoint.STATE_REGIONS:
+        assert torch.equal(states[0][r], states[1][r]) and torch.equal(states[0][r], states[2][r]), r
+
+
 def test_the_compiled_step_trains_like_the_eager_step(tmp_path):
     """compile=true (inductor, and a ResNet's BatchNorms from the kernels with the blocks'
     ReLUs folded into them) computes what compile=false computes: one AMP step's update of

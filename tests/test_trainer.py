@@ -27,6 +27,15 @@ CONF = ROOT / "conf"
 TINY = ["data.train_size=512", "data.val_size=128", "trainer.batch_size=32"]
 
 
+@pytest.fixture(autouse=True)
+def torch_defaults():
+    """A Trainer leaves deterministic=true's process-wide switches as its config set them;
+    the next test starts without them."""
+    yield
+    torch.use_deterministic_algorithms(False)
+    torch.backends.cudnn.deterministic = False
+
+
 def config(*overrides):
     return compose_config(overrides)
 
@@ -51,7 +60,8 @@ def test_default_run_learns_and_writes_its_records(tmp_path):
     for key in ("val_top5", "val_loss", "train_loss", "steps", "epochs", "images_per_s", "wall_s",
                 "time_to_first_step_s", "device", "world_size"):
         assert summary[key] is not None, key
-    assert summary["epochs"] == 4 and summary["device"] == "cpu" and summary["world_size"] == 1
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    assert summary["epochs"] == 4 and summary["device"] == device and summary["world_size"] == 1
     # set-up in its parts: the data read beside the model and its plan, then warm-up and capture
     parts = summary["setup_parts_s"]
     assert list(parts) == ["data", "model_and_plan", "warm_up_compile_capture"]
@@ -89,7 +99,9 @@ def test_epochs_between_evaluations_are_recorded_in_order(tmp_path):
 
 
 def test_resume_equals_uninterrupted_bit_for_bit(tmp_path):
-    common = ["trainer.epochs=4", "optimizer=adamw", "ema=true", "trainer.label_smoothing=0.1"]
+    """deterministic=true: on a GPU too, where cuDNN's autotuned and atomic kernels otherwise
+    make two runs of one configuration differ in their last bits."""
+    common = ["trainer.epochs=4", "optimizer=adamw", "ema=true", "trainer.label_smoothing=0.1", "deterministic=true"]
     straight = train(tmp_path / "straight", *common)
     train(tmp_path / "first", *common, "trainer.stop_after_epoch=2")
     resumed = train(tmp_path / "second", *common, f"trainer.resume={tmp_path / 'first'}")
@@ -191,13 +203,14 @@ def test_export_loads_into_torchvision(tmp_path):
     reference = torchvision.models.resnet18(num_classes=10)
     reference.load_state_dict(state, strict=True)
     reference.eval()
-    x = torch.randn(4, 3, 16, 16)
+    x = torch.randn(4, 3, 16, 16, device=trained.arena.device)
+    reference.to(x.device)
     trained.ops.sema_switch()  # evaluation's view: EMA weights and B_PREV statistics
     trained.ops.bn_stats_to_prev()
     from trainer.binding import use_statistics
     model = trained.model.eval()
     use_statistics(model, trained.plans.tensors["train_base"], trained.arena, "prev")
-    with torch.no_grad():
+    with torch.no_grad(), torch.backends.cudnn.flags(enabled=True, allow_tf32=False):  # fp32 on a GPU too
         torch.testing.assert_close(reference(x), model(x.to(memory_format=torch.channels_last)))
 
 
@@ -256,7 +269,7 @@ def test_a_non_finite_validation_loss_is_named_and_training_goes_on(tmp_path, ca
 
 def test_folded_batchnorm_evaluates_like_batchnorm(tmp_path):
     """fold_bn: evaluation through W_EQ (x * scale + bias) gives the unfolded result."""
-    common = ["model=cifar_resnet20_narrow", "trainer.epochs=1", "ema=true"]
+    common = ["model=cifar_resnet20_narrow", "trainer.epochs=1", "ema=true", "deterministic=true"]
     plain = train(tmp_path / "plain", *common).history[-1]
     folded_run = train(tmp_path / "folded", *common, "fold_bn=true")
     folded = folded_run.history[-1]
@@ -301,11 +314,12 @@ def test_set_up_runs_the_ema_switch_and_restores_the_weights(tmp_path, monkeypat
 
 
 def test_triton_kernels_train_like_torch_kernels(tmp_path):
-    """kernels=triton (Triton's interpreter on the CPU) against kernels=torch, a short run."""
+    """kernels=triton (Triton's interpreter on the CPU) against kernels=torch, a short run.
+    (On a GPU: tests/test_gpu.py.)"""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     states = []
     for kernels in ("torch", "triton"):
-        out = subprocess.run(command(tmp_path / kernels, f"kernels={kernels}", "optimizer=lars", "ema=true",
+        out = subprocess.run(command(tmp_path / kernels, "device=cpu", f"kernels={kernels}", "optimizer=lars", "ema=true",
                                      "trainer.epochs=1", *TINY), capture_output=True, text=True, cwd=tmp_path,
                              timeout=300, env=env)
         assert out.returncode == 0, out.stdout + out.stderr
@@ -325,7 +339,8 @@ def test_frozen_parts_stay_bit_identical_and_frozen_steps_skip_their_gradients(t
     running statistics included, and from epoch 2 on the steps run the `_frozen` programs,
     which compute no gradient for either and normalize with the fixed statistics."""
     from trainer.loop import Trainer
-    t = Trainer(config(*TINY, *FREEZE, "trainer.epochs=3"), tmp_path, Dist())
+    # graphs=false: the hooks count Python calls, which a graph's replay does not make
+    t = Trainer(config(*TINY, *FREEZE, "trainer.epochs=3", "graphs=false"), tmp_path, Dist())
     stem, norm = t.model.stem, t.model.stem_bn
     grads, batch_statistics = {"conv": 0, "bias": 0}, []
     stem.weight.register_post_accumulate_grad_hook(lambda p: grads.update(conv=grads["conv"] + 1))
@@ -475,6 +490,22 @@ def test_cudnn_autotuning_follows_the_model_config(given, autotune, monkeypatch)
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", not autotune)
     use_device(torch.device("cpu"), config(*TINY, *given))
     assert torch.backends.cudnn.benchmark is autotune
+
+
+def test_deterministic_takes_fixed_order_kernels_and_false_gives_them_back():
+    """deterministic=true: cuDNN's deterministic algorithms by its heuristic, even where the
+    model's config autotunes, torch's deterministic kernels (and so inductor's fixed
+    reduction configurations) and cuBLAS with one workspace; the next run's config puts
+    the process back."""
+    from trainer.setup import use_device
+    try:
+        use_device(torch.device("cpu"), config(*TINY, "deterministic=true"))
+        assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
+        assert not torch.backends.cudnn.benchmark and os.environ["CUBLAS_WORKSPACE_CONFIG"]
+    finally:
+        use_device(torch.device("cpu"), config(*TINY))
+    assert not torch.are_deterministic_algorithms_enabled() and not torch.backends.cudnn.deterministic
+    assert torch.backends.cudnn.benchmark
 
 
 def test_bench_times_the_plain_loops_with_autotuning_whatever_ours_uses(monkeypatch):

@@ -148,6 +148,9 @@ class TrainConfig:
     ema_decay: float = 0.999
     fold_bn: bool = False  # evaluate with BatchNorm folded into a per-channel scale and bias
     graphs: bool = True  # on a GPU, replay captured CUDA graphs; false runs the same program eagerly
+    # the same bits in every run of a configuration, and a resumed run the bits of an
+    # uninterrupted one, on a GPU too: deterministic kernels only (trainer/setup.py)
+    deterministic: bool = False
     kernels: str = "auto"  # auto | torch | triton: implementation of the range ops
     compile: bool = False  # run inductor on forward and backward inside the captured step
     # inductor settings for compile=true, over INDUCTOR_DEFAULTS, e.g.

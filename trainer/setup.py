@@ -1,4 +1,5 @@
 """From a validated configuration to the objects of the data flow: model, variants, plans."""
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -27,8 +28,16 @@ from trainer.variants import Variant, derive_variants
 def use_device(device: torch.device, cfg: TrainConfig):
     """The process's settings for a run on `device`, first thing: the current device, cuDNN's
     autotuning as cfg.model.cudnn_benchmark says, one ptxas for every Triton kernel,
-    torch.compile's caches in cfg.compile_cache."""
-    torch.backends.cudnn.benchmark = cfg.model.cudnn_benchmark
+    torch.compile's caches in cfg.compile_cache, and under cfg.deterministic only kernels
+    that sum in a fixed order: cuDNN's deterministic algorithms, picked by its heuristic
+    (the autotuning may pick another in the process that resumes), torch's deterministic
+    kernels (an op without one stops the run, naming it; inductor then also keeps the
+    reduction configurations that change sums fixed) and cuBLAS with one workspace."""
+    torch.backends.cudnn.benchmark = cfg.model.cudnn_benchmark and not cfg.deterministic
+    torch.backends.cudnn.deterministic = cfg.deterministic
+    if cfg.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts: before any GEMM
+    torch.use_deterministic_algorithms(cfg.deterministic)
     if device.type == "cuda":
         if device.index is not None:  # torch 2.11 refuses a bare "cuda"
             torch.cuda.set_device(device)
