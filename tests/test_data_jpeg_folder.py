@@ -1,10 +1,12 @@
 """JPEG class folders through DALI: labels, normalization, variants, and the error messages."""
+import math
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -12,7 +14,7 @@ from PIL import Image
 from tests.helpers import serve
 from trainer.config import DataConfig, TrainConfig, TrainerConfig
 from trainer.data import build_sources, dataset_sizes
-from trainer.data.jpeg_folder import IMAGENET_MEAN, IMAGENET_STD
+from trainer.data.jpeg_folder import ASPECT_RATIOS, CROP_ATTEMPTS, IMAGENET_MEAN, IMAGENET_STD
 from trainer.data.make_jpeg_tree import main as make_jpeg_tree
 from trainer.errors import DataError
 
@@ -178,6 +180,69 @@ def test_make_jpeg_tree(tmp_path):
     assert first.mode == "RGB" and 36 <= first.width <= 44 and 27 <= first.height <= 33
     train, val = build_sources(config(tmp_path / "t", batch=6), CPU, 0, 1, None)
     serve(train, (6,), 24)
+
+
+def test_a_resumed_run_crops_what_an_uninterrupted_one_crops(tmp_path):
+    """The random-resized crops come from draws of the seed and the epoch: a source that
+    starts at epoch 2, as a resumed run's does, serves epoch 2's very bytes. (DALI's own
+    random crop drew from a generator that a new pipeline starts again.)"""
+    make_jpeg_tree([str(tmp_path / "t"), "--classes", "2", "--per-class", "6", "--val-per-class", "1",
+                    "--size", "48x36", "--jobs", "2"])
+    cfg = config(tmp_path / "t", num_classes=2, batch=4, host_decode=0.5, flip="none")
+    went_on, _ = build_sources(cfg, CPU, 0, 1, None)
+    epochs = [torch.cat([data for data, _, _ in serve(went_on, (4, 4, 4), 24, epoch=epoch)]) for epoch in range(3)]
+    resumed, _ = build_sources(cfg, CPU, 0, 1, None)
+    again = torch.cat([data for data, _, _ in serve(resumed, (4, 4, 4), 24, epoch=2)])
+    assert torch.equal(epochs[2], again)
+    # and the crops are random: one image, cropped anew in the next epoch
+    first, second = (went_on.shard.epoch(went_on.seed, e).examples.tolist() for e in (1, 2))
+    assert not torch.equal(epochs[1][0], epochs[2][second.index(first[0])])
+
+
+def reference_crop(h: int, w: int, u: np.ndarray, min_area: float, attempts=CROP_ATTEMPTS) -> tuple[int, ...]:
+    """torchvision's RandomResizedCrop.get_params in float64, its random draws replaced by u;
+    attempts=0 gives the fallback."""
+    k, (lo, hi) = CROP_ATTEMPTS, ASPECT_RATIOS
+    for i in range(attempts):
+        area = h * w * (min_area + u[i] * (1 - min_area))
+        ratio = math.exp(math.log(lo) + u[k + i] * (math.log(hi) - math.log(lo)))
+        cw, ch = int(round(math.sqrt(area * ratio))), int(round(math.sqrt(area / ratio)))
+        if 0 < cw <= w and 0 < ch <= h:
+            return int(u[2 * k] * (w - cw + 1)), int(u[2 * k + 1] * (h - ch + 1)), cw, ch
+    cw, ch = w, h
+    if w / h < lo:
+        ch = int(round(w / lo))
+    elif w / h > hi:
+        cw = int(round(h * hi))
+    return (w - cw) // 2, (h - ch) // 2, cw, ch
+
+
+def test_resized_crop_windows_are_torchvisions(tmp_path):
+    """The windows DALI computes from an image's shape and its draws against torchvision's
+    rule in float64: photos' shapes, tiny images and ones too narrow or too wide for any
+    window in ratio, where the whole image is cut to the nearest ratio (the fallback)."""
+    from nvidia.dali import fn, types
+    from trainer.data.dali import new_pipeline
+    from trainer.data.jpeg_folder import resized_crop
+    from trainer.data.source import resized_crop_draws
+    shapes = [(375, 500), (500, 375), (333, 500), (1, 1), (3, 2), (40, 400), (400, 40), (224, 224)] * 8
+    draws = resized_crop_draws(len(shapes), CROP_ATTEMPTS, 7, 0)
+    draws[-8:, :2 * CROP_ATTEMPTS] = 0.999  # near-whole windows at ratio near 4/3: none fits the portrait photo
+    pipe = new_pipeline(CPU, 1, len(shapes))
+    with pipe:
+        anchor, size = resized_crop(fn.external_source(name="shape", dtype=types.INT64),
+                                    fn.external_source(name="crop", dtype=types.FLOAT), 0.25)
+        pipe.set_outputs(anchor, size)
+    pipe.build()
+    pipe.feed_input("shape", np.array([(h, w, 3) for h, w in shapes]))
+    pipe.feed_input("crop", draws)
+    anchors, sizes = (o.as_array() for o in pipe.run())
+    got = [(*a, *s) for a, s in zip(anchors.astype(int), sizes.astype(int))]
+    want = [reference_crop(h, w, u.astype(np.float64), 0.25) for (h, w), u in zip(shapes, draws)]
+    assert got == want
+    fell_back = [win == reference_crop(h, w, u, 0.25, attempts=0) for win, (h, w), u in zip(want, shapes, draws)]
+    # the too narrow and too wide images always, the portrait photo with the last draws, photos seldom
+    assert all(fell_back[5::8]) and all(fell_back[6::8]) and fell_back[-7] and not any(fell_back[:-8:8])
 
 
 @pytest.mark.parametrize("user_value", [None, "4"])

@@ -1,6 +1,7 @@
 """Folders of JPEGs per class (root/train/<class>/*.jpg, root/val/<class>/*.jpg) through DALI.
 
-Training: random-resized crop (decoded only inside the crop) and flip; evaluation: resize
+Training: random-resized crop (decoded only inside the crop; its draws fed from the host,
+see resized_crop) and flip; evaluation: resize
 the short side to resolution * data.val_resize and take the center. The host feeds the
 files' paths in the epoch's order, `IN_FLIGHT` batches ahead of the loop; DALI's threads
 read them, so neither the file reads nor their bytes pass through Python.
@@ -16,21 +17,52 @@ The GPU decoder keeps its speed beside the step only with enough CUDA hardware q
 the best share then (docs/BENCHMARKS.md, "Input pipeline"). A GPU without JPEG engines, or
 a host with cores to spare, may want a larger share.
 """
+import math
 from pathlib import Path
 
 import numpy as np
 import torch
 from nvidia.dali import fn, types
+from nvidia.dali import math as dmath
 
 from trainer.config import DataConfig
 from trainer.data.dali import DaliSource
 from trainer.data.jpeg_files import check_files, decode_error, find_split, list_split
-from trainer.data.source import Shard, subset
+from trainer.data.source import Shard, resized_crop_draws, subset
 from trainer.errors import DataError
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 ASPECT_RATIOS = [3 / 4, 4 / 3]  # of the random-resized crop, as in the ResNet papers
+CROP_ATTEMPTS = 10  # windows drawn per crop, as torchvision's RandomResizedCrop tries
+
+
+def resized_crop(shape, draws, min_area: float):
+    """Each image's random-resized crop window, (x, y) and (width, height) in pixels, in
+    DALI's arithmetic on the host: from its shape (H, W, C) and its draws
+    (source.resized_crop_draws), as torchvision's RandomResizedCrop chooses it: the first of
+    CROP_ATTEMPTS windows of uniform area in [min_area, 1] of the image and log-uniform
+    aspect ratio in ASPECT_RATIOS that fits, at a uniform position; where none fits, the
+    whole image cut to the nearest ratio in range, centered. DALI's own random crop would
+    draw from a generator that a resumed run starts again."""
+    k, lo, hi = CROP_ATTEMPTS, *ASPECT_RATIOS
+    real = lambda x: fn.cast(x, dtype=types.FLOAT)
+    round_ = lambda x: dmath.floor(x + 0.5)
+    h, w = real(shape[0]), real(shape[1])
+    area = h * w * (min_area + draws[0:k] * (1 - min_area))
+    ratio = dmath.exp(math.log(lo) + draws[k:2 * k] * (math.log(hi) - math.log(lo)))
+    widths, heights = round_(dmath.sqrt(area * ratio)), round_(dmath.sqrt(area / ratio))
+    fits = real((widths >= 1) & (widths <= w) & (heights >= 1) & (heights <= h))
+    attempt = types.Constant(np.arange(k, dtype=np.float32), device="cpu")
+    first = fn.reductions.min(attempt * fits + k * (1 - fits))  # k where none fits
+    chosen, found = real(attempt == first), real(first < k)
+    tall, wide = real(w / h < lo), real(w / h > hi)
+    width = found * fn.reductions.sum(widths * chosen) + (1 - found) * (w - wide * (w - round_(h * hi)))
+    height = found * fn.reductions.sum(heights * chosen) + (1 - found) * (h - tall * (h - round_(w / lo)))
+    # a draw just under 1 times (w - width + 1) may round up to it in float32: hence the min
+    x = found * dmath.min(dmath.floor(draws[2 * k] * (w - width + 1)), w - width) + (1 - found) * dmath.floor((w - width) / 2)
+    y = found * dmath.min(dmath.floor(draws[2 * k + 1] * (h - height + 1)), h - height) + (1 - found) * dmath.floor((h - height) / 2)
+    return fn.stack(x, y), fn.stack(width, height)
 
 
 def read(path: str) -> np.ndarray:
@@ -79,9 +111,11 @@ class JpegFolderSource(DaliSource):
         # on the GPU: all of it on the JPEG engines (hw_decoder_load=1), none on the SMs the step uses
         gpu_only = {"hw_decoder_load": 1.0} if decoder == "mixed" else {}
         if augment:
-            images = fn.decoders.image_random_crop(jpegs, device=decoder, output_type=types.RGB,
-                                                   random_area=[self.d.min_crop_area, 1.0],
-                                                   random_aspect_ratio=ASPECT_RATIOS, **gpu_only)
+            anchor, size = resized_crop(fn.peek_image_shape(jpegs), fn.external_source(name="crop", dtype=types.FLOAT),
+                                        self.d.min_crop_area)
+            images = fn.decoders.image_slice(jpegs, anchor, size, axis_names="WH", normalized_anchor=False,
+                                             normalized_shape=False, device=decoder, output_type=types.RGB,
+                                             **gpu_only)
         else:
             images = fn.decoders.image(jpegs, device=decoder, output_type=types.RGB, **gpu_only)
         if decoder == "cpu" and self.gpu:
@@ -92,6 +126,10 @@ class JpegFolderSource(DaliSource):
 
     def inputs(self, examples: np.ndarray) -> dict:
         return {"paths": [self.paths[i] for i in examples]}
+
+    def draws(self, epoch: int) -> dict[str, np.ndarray]:
+        return {**super().draws(epoch),
+                "crop": resized_crop_draws(self.shard.total, CROP_ATTEMPTS, self.seed, epoch)}
 
     def decode_error(self, examples: np.ndarray, error: RuntimeError) -> Exception:
         names, encoded = [self.files[i] for i in examples], []

@@ -36,7 +36,7 @@ def rng(seed: int, *keys: int) -> np.random.Generator:
 
 # keys of the random streams, so that no two purposes share draws (one key per purpose:
 # numpy's seeding ignores trailing zeros, so [seed, key] and [seed, key, 0] are one stream)
-ORDER, FLIP, FIRST_FLIP, CROP, SUBSET, DALI_SEED, CUTOUT = range(7)
+ORDER, FLIP, FIRST_FLIP, CROP, SUBSET, RESIZED_CROP, CUTOUT = range(7)
 
 
 class Shard:
@@ -119,6 +119,13 @@ def crop_offsets(n: int, padding: int, seed: int, epoch: int) -> np.ndarray:
     """(n, 2) top-left corners (y, x) of random crops within the image padded by `padding`:
     an offset of `padding` is the uncropped image."""
     return rng(seed, CROP, epoch).integers(0, 2 * padding + 1, (n, 2))
+
+
+def resized_crop_draws(n: int, attempts: int, seed: int, epoch: int) -> np.ndarray:
+    """(n, 2 * attempts + 2) uniform draws in [0, 1) for each example's random-resized crop
+    this epoch: `attempts` of its area, as many of its aspect ratio, then its position
+    across and down (trainer/data/jpeg_folder.py turns them into a window)."""
+    return rng(seed, RESIZED_CROP, epoch).random((n, 2 * attempts + 2), dtype=np.float32)
 
 
 def cutout_corners(n: int, size: int, h: int, w: int, seed: int, epoch: int) -> np.ndarray:
