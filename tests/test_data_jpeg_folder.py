@@ -182,18 +182,24 @@ def test_make_jpeg_tree(tmp_path):
     serve(train, (6,), 24)
 
 
-def test_a_resumed_run_crops_what_an_uninterrupted_one_crops(tmp_path):
-    """The random-resized crops come from draws of the seed and the epoch: a source that
-    starts at epoch 2, as a resumed run's does, serves epoch 2's very bytes. (DALI's own
-    random crop drew from a generator that a new pipeline starts again.)"""
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_under_deterministic_a_resumed_run_crops_what_an_uninterrupted_one_crops(tmp_path, deterministic):
+    """deterministic=true: the random-resized crops come from draws of the seed and the
+    epoch, and a source that starts at epoch 2, as a resumed run's does, serves epoch 2's
+    very bytes. Otherwise they are DALI's draws, from a generator a new pipeline starts
+    again: the resumed epoch crops otherwise."""
     make_jpeg_tree([str(tmp_path / "t"), "--classes", "2", "--per-class", "6", "--val-per-class", "1",
                     "--size", "48x36", "--jobs", "2"])
     cfg = config(tmp_path / "t", num_classes=2, batch=4, host_decode=0.5, flip="none")
-    went_on, _ = build_sources(cfg, CPU, 0, 1, None)
-    epochs = [torch.cat([data for data, _, _ in serve(went_on, (4, 4, 4), 24, epoch=epoch)]) for epoch in range(3)]
-    resumed, _ = build_sources(cfg, CPU, 0, 1, None)
-    again = torch.cat([data for data, _, _ in serve(resumed, (4, 4, 4), 24, epoch=2)])
-    assert torch.equal(epochs[2], again)
+    torch.use_deterministic_algorithms(deterministic)  # as use_device sets it before the data is built
+    try:
+        went_on, _ = build_sources(cfg, CPU, 0, 1, None)
+        epochs = [torch.cat([data for data, _, _ in serve(went_on, (4, 4, 4), 24, epoch=epoch)]) for epoch in range(3)]
+        resumed, _ = build_sources(cfg, CPU, 0, 1, None)
+        again = torch.cat([data for data, _, _ in serve(resumed, (4, 4, 4), 24, epoch=2)])
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert torch.equal(epochs[2], again) == deterministic
     # and the crops are random: one image, cropped anew in the next epoch
     first, second = (went_on.shard.epoch(went_on.seed, e).examples.tolist() for e in (1, 2))
     assert not torch.equal(epochs[1][0], epochs[2][second.index(first[0])])
@@ -228,7 +234,7 @@ def test_resized_crop_windows_are_torchvisions(tmp_path):
     shapes = [(375, 500), (500, 375), (333, 500), (1, 1), (3, 2), (40, 400), (400, 40), (224, 224)] * 8
     draws = resized_crop_draws(len(shapes), CROP_ATTEMPTS, 7, 0)
     draws[-8:, :2 * CROP_ATTEMPTS] = 0.999  # near-whole windows at ratio near 4/3: none fits the portrait photo
-    pipe = new_pipeline(CPU, 1, len(shapes))
+    pipe = new_pipeline(CPU, 1, len(shapes), seed=0)
     with pipe:
         anchor, size = resized_crop(fn.external_source(name="shape", dtype=types.INT64),
                                     fn.external_source(name="crop", dtype=types.FLOAT), 0.25)

@@ -11,7 +11,7 @@ from nvidia.dali.plugin.pytorch import feed_ndarray
 
 from trainer.config import DataConfig
 from trainer.data.jpeg_files import decode_error
-from trainer.data.source import EpochPlan, Shard, flips, on
+from trainer.data.source import DALI_SEED, EpochPlan, Shard, flips, on, rng
 from trainer.errors import DataError
 
 # Iterations DALI works on ahead of the loop (its prefetch queue depth): enough that
@@ -25,13 +25,10 @@ def gpu_id(device: torch.device) -> int | None:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def new_pipeline(device: torch.device, threads: int, batch: int, depth: int = 1) -> Pipeline:
+def new_pipeline(device: torch.device, threads: int, batch: int, seed: int, depth: int = 1) -> Pipeline:
     """depth: iterations in flight. DALI's first run of a pipeline starts all `depth` of them
-    at once, so their inputs must all be fed before it (DaliSource._schedule does). No
-    operator draws random numbers: every random choice is fed, drawn on the host from the
-    seed and the epoch, so that a resumed run makes the choices an uninterrupted one makes
-    (DALI's generators would start again from their seed)."""
-    return Pipeline(batch_size=batch, num_threads=threads, device_id=gpu_id(device), seed=0,
+    at once, so their inputs must all be fed before it (DaliSource._schedule does)."""
+    return Pipeline(batch_size=batch, num_threads=threads, device_id=gpu_id(device), seed=seed,
                     prefetch_queue_depth=depth, exec_dynamic=True)
 
 
@@ -39,7 +36,7 @@ def decode_all(names: list[str], encoded: list[np.ndarray], threads: int, batch:
     """Decode same-sized JPEGs once into one uint8 (N, H, W, 3) tensor in host memory. The
     host's cores, not the GPU: nvJPEG's cost per image outweighs its speed for 32x32 images
     (CIFAR-10's 50,000 on an H200's host: 3.4 s on the GPU, 1.7 s on 16 cores)."""
-    pipe = new_pipeline(torch.device("cpu"), threads, batch)
+    pipe = new_pipeline(torch.device("cpu"), threads, batch, seed=0)
     with pipe:
         jpegs = fn.external_source(name="jpegs", dtype=types.UINT8)
         pipe.set_outputs(fn.decoders.image(jpegs, device="cpu", output_type=types.RGB))
@@ -123,7 +120,8 @@ class DaliSource:
 
     def _build(self, resolution: int, augment: bool, dtype, pad: bool, part: int, depth: int = 1) -> Pipeline:
         rows = self.part_slices(max(self.shard.batches, default=1))[part]
-        pipe = new_pipeline(self.device, self.part_threads(part), rows.stop - rows.start, depth)
+        pipe = new_pipeline(self.device, self.part_threads(part), rows.stop - rows.start,
+                            int(rng(self.seed, DALI_SEED, self.shard.rank, resolution, part).integers(2**31)), depth)
         with pipe:
             images = self.graph(resolution, augment, part)
             mirror = fn.external_source(name="flip", dtype=types.INT32) if augment else 0

@@ -1,7 +1,6 @@
 """Folders of JPEGs per class (root/train/<class>/*.jpg, root/val/<class>/*.jpg) through DALI.
 
-Training: random-resized crop (decoded only inside the crop; its draws fed from the host,
-see resized_crop) and flip; evaluation: resize
+Training: random-resized crop (decoded only inside the crop) and flip; evaluation: resize
 the short side to resolution * data.val_resize and take the center. The host feeds the
 files' paths in the epoch's order, `IN_FLIGHT` batches ahead of the loop; DALI's threads
 read them, so neither the file reads nor their bytes pass through Python.
@@ -16,6 +15,12 @@ The GPU decoder keeps its speed beside the step only with enough CUDA hardware q
 (trainer/__init__.py); with CUDA's default 8 it fell to a tenth, and 0.75 on the host was
 the best share then (docs/BENCHMARKS.md, "Input pipeline"). A GPU without JPEG engines, or
 a host with cores to spare, may want a larger share.
+
+The crop windows are DALI's random draws, from a generator per pipeline that a resumed run
+starts again: it crops otherwise than the uninterrupted run would have. Under
+deterministic=true (torch's deterministic mode, set before the data is built) they are
+drawn on the host from the seed and the epoch instead (`resized_crop`), so a resumed run
+crops alike; that costs loader throughput (docs/BENCHMARKS.md, session U).
 """
 import math
 from pathlib import Path
@@ -43,8 +48,7 @@ def resized_crop(shape, draws, min_area: float):
     (source.resized_crop_draws), as torchvision's RandomResizedCrop chooses it: the first of
     CROP_ATTEMPTS windows of uniform area in [min_area, 1] of the image and log-uniform
     aspect ratio in ASPECT_RATIOS that fits, at a uniform position; where none fits, the
-    whole image cut to the nearest ratio in range, centered. DALI's own random crop would
-    draw from a generator that a resumed run starts again."""
+    whole image cut to the nearest ratio in range, centered."""
     k, lo, hi = CROP_ATTEMPTS, *ASPECT_RATIOS
     real = lambda x: fn.cast(x, dtype=types.FLOAT)
     round_ = lambda x: dmath.floor(x + 0.5)
@@ -75,6 +79,7 @@ class JpegFolderSource(DaliSource):
         super().__init__(shard, num_classes, IMAGENET_MEAN, IMAGENET_STD, d, seed, device, half, augment)
         self.files, self.labels = files, labels
         self.paths = [np.frombuffer(f.encode(), np.uint8) for f in files]  # as fn.io.file.read takes them
+        self.host_crops = augment and torch.are_deterministic_algorithms_enabled()
 
     @property
     def parts(self) -> int:
@@ -110,12 +115,16 @@ class JpegFolderSource(DaliSource):
         decoder = self.decoder(part)
         # on the GPU: all of it on the JPEG engines (hw_decoder_load=1), none on the SMs the step uses
         gpu_only = {"hw_decoder_load": 1.0} if decoder == "mixed" else {}
-        if augment:
+        if augment and self.host_crops:
             anchor, size = resized_crop(fn.peek_image_shape(jpegs), fn.external_source(name="crop", dtype=types.FLOAT),
                                         self.d.min_crop_area)
             images = fn.decoders.image_slice(jpegs, anchor, size, axis_names="WH", normalized_anchor=False,
                                              normalized_shape=False, device=decoder, output_type=types.RGB,
                                              **gpu_only)
+        elif augment:
+            images = fn.decoders.image_random_crop(jpegs, device=decoder, output_type=types.RGB,
+                                                   random_area=[self.d.min_crop_area, 1.0],
+                                                   random_aspect_ratio=ASPECT_RATIOS, **gpu_only)
         else:
             images = fn.decoders.image(jpegs, device=decoder, output_type=types.RGB, **gpu_only)
         if decoder == "cpu" and self.gpu:
@@ -128,6 +137,8 @@ class JpegFolderSource(DaliSource):
         return {"paths": [self.paths[i] for i in examples]}
 
     def draws(self, epoch: int) -> dict[str, np.ndarray]:
+        if not self.host_crops:
+            return super().draws(epoch)
         return {**super().draws(epoch),
                 "crop": resized_crop_draws(self.shard.total, CROP_ATTEMPTS, self.seed, epoch)}
 

@@ -36,7 +36,7 @@ def rng(seed: int, *keys: int) -> np.random.Generator:
 
 # keys of the random streams, so that no two purposes share draws (one key per purpose:
 # numpy's seeding ignores trailing zeros, so [seed, key] and [seed, key, 0] are one stream)
-ORDER, FLIP, FIRST_FLIP, CROP, SUBSET, RESIZED_CROP, CUTOUT = range(7)
+ORDER, FLIP, FIRST_FLIP, CROP, SUBSET, DALI_SEED, CUTOUT, RESIZED_CROP = range(8)
 
 
 class Shard:
