@@ -11,7 +11,7 @@ from trainer.dist import Dist
 from trainer.errors import ConfigError
 
 TINY = ["data.train_size=512", "data.val_size=128", "trainer.batch_size=32", "trainer.epochs=1", "compile=true",
-        "fold_bn=true", "model=cifar_resnet20_narrow"]
+        "fold_bn=true", "model=cifar_resnet20_narrow", "deterministic=true"]
 
 
 def _run_on_a_new_machine(tmp_path, monkeypatch, name: str, overrides: list[str]):
@@ -33,7 +33,8 @@ def test_a_new_machine_with_the_folder_compiles_nothing_and_trains_the_same(tmp_
     """The first run compiles its training step and its (folded) evaluation into the
     folder, not into the machine's caches, and says so before it starts; a run on another
     machine, given a copy of the folder at another path, compiles nothing and ends as the
-    first does. Without the folder that machine compiles all again."""
+    first does (deterministic=true: on a GPU, cuDNN's autotuning could otherwise pick other
+    algorithms in each run). Without the folder that machine compiles all again."""
     with caplog.at_level("INFO", logger="trainer"):
         first, _, first_misses = _run_on_a_new_machine(tmp_path, monkeypatch, "first",
                                                        [f"compile_cache={tmp_path / 'cache'}"])

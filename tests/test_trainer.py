@@ -27,15 +27,6 @@ CONF = ROOT / "conf"
 TINY = ["data.train_size=512", "data.val_size=128", "trainer.batch_size=32"]
 
 
-@pytest.fixture(autouse=True)
-def torch_defaults():
-    """A Trainer leaves deterministic=true's process-wide switches as its config set them;
-    the next test starts without them."""
-    yield
-    torch.use_deterministic_algorithms(False)
-    torch.backends.cudnn.deterministic = False
-
-
 def config(*overrides):
     return compose_config(overrides)
 
