@@ -502,7 +502,8 @@ def test_deterministic_takes_fixed_order_kernels_and_false_gives_them_back():
 def test_bench_times_the_plain_loops_with_autotuning_whatever_ours_uses(monkeypatch):
     """The hand-written loop a user tunes for speed autotunes cuDNN; model.cudnn_benchmark=false
     is a setting of ours alone, and it holds again for our step. bench.baseline_autotune=false
-    times the plain loops as torch leaves cuDNN, and says so in the table."""
+    times the plain loops as torch leaves cuDNN, and says so in the table, as it says that
+    deterministic=true holds for every method."""
     from trainer import bench
     seen = []
 
@@ -517,6 +518,10 @@ def test_bench_times_the_plain_loops_with_autotuning_whatever_ours_uses(monkeypa
     cfg = config("mode=bench", "trainer.batch_size=32", "bench.baseline_autotune=false", "bench.baselines=[eager_bf16]")
     assert "the plain loops take cuDNN's heuristic choice" in bench.run(cfg, torch.device("cpu"), cfg.bench.optimizers)
     assert seen == [("eager_bf16", False), ("ours momentum fp32 eager", True)]
+    seen.clear()  # deterministic=true holds for every method, and the table says so
+    cfg = config("mode=bench", "trainer.batch_size=32", "deterministic=true", "bench.baselines=[eager_bf16]")
+    assert "every method runs deterministic kernels only" in bench.run(cfg, torch.device("cpu"), cfg.bench.optimizers)
+    assert seen == [("eager_bf16", True), ("ours momentum fp32 eager", False)]
 
 
 def test_a_compiled_run_with_folded_evaluation_compiles_training_and_evaluation_once(tmp_path):
