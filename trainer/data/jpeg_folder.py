@@ -19,16 +19,16 @@ a host with cores to spare, may want a larger share.
 The crop windows are DALI's random draws, from a generator per pipeline that a resumed run
 starts again: it crops otherwise than the uninterrupted run would have. Under
 deterministic=true (torch's deterministic mode, set before the data is built) they are
-drawn on the host from the seed and the epoch instead (`resized_crop`), so a resumed run
+drawn on the host from the seed and the epoch instead (`resized_crop_windows`), so a resumed run
 crops alike; that costs loader throughput (docs/BENCHMARKS.md, session U).
 """
 import math
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 from nvidia.dali import fn, types
-from nvidia.dali import math as dmath
 
 from trainer.config import DataConfig
 from trainer.data.dali import DaliSource
@@ -42,31 +42,31 @@ ASPECT_RATIOS = [3 / 4, 4 / 3]  # of the random-resized crop, as in the ResNet p
 CROP_ATTEMPTS = 10  # windows drawn per crop, as torchvision's RandomResizedCrop tries
 
 
-def resized_crop(shape, draws, min_area: float):
-    """Each image's random-resized crop window, (x, y) and (width, height) in pixels, in
-    DALI's arithmetic on the host: from its shape (H, W, C) and its draws
-    (source.resized_crop_draws), as torchvision's RandomResizedCrop chooses it: the first of
-    CROP_ATTEMPTS windows of uniform area in [min_area, 1] of the image and log-uniform
-    aspect ratio in ASPECT_RATIOS that fits, at a uniform position; where none fits, the
-    whole image cut to the nearest ratio in range, centered."""
-    k, lo, hi = CROP_ATTEMPTS, *ASPECT_RATIOS
-    real = lambda x: fn.cast(x, dtype=types.FLOAT)
-    round_ = lambda x: dmath.floor(x + 0.5)
-    h, w = real(shape[0]), real(shape[1])
-    area = h * w * (min_area + draws[0:k] * (1 - min_area))
-    ratio = dmath.exp(math.log(lo) + draws[k:2 * k] * (math.log(hi) - math.log(lo)))
-    widths, heights = round_(dmath.sqrt(area * ratio)), round_(dmath.sqrt(area / ratio))
-    fits = real((widths >= 1) & (widths <= w) & (heights >= 1) & (heights <= h))
-    attempt = types.Constant(np.arange(k, dtype=np.float32), device="cpu")
-    first = fn.reductions.min(attempt * fits + k * (1 - fits))  # k where none fits
-    chosen, found = real(attempt == first), real(first < k)
-    tall, wide = real(w / h < lo), real(w / h > hi)
-    width = found * fn.reductions.sum(widths * chosen) + (1 - found) * (w - wide * (w - round_(h * hi)))
-    height = found * fn.reductions.sum(heights * chosen) + (1 - found) * (h - tall * (h - round_(w / lo)))
-    # a draw just under 1 times (w - width + 1) may round up to it in float32: hence the min
-    x = found * dmath.min(dmath.floor(draws[2 * k] * (w - width + 1)), w - width) + (1 - found) * dmath.floor((w - width) / 2)
-    y = found * dmath.min(dmath.floor(draws[2 * k + 1] * (h - height + 1)), h - height) + (1 - found) * dmath.floor((h - height) / 2)
-    return fn.stack(x, y), fn.stack(width, height)
+def resized_crop_windows(shapes: list[np.ndarray], draws: list[np.ndarray], min_area: float):
+    """A batch's random-resized crop windows, [x, y] and [width, height] in pixels, from each
+    image's shape (H, W, C) and its draws (source.resized_crop_draws), as torchvision's
+    RandomResizedCrop.get_params chooses them: the first of CROP_ATTEMPTS windows of uniform
+    area in [min_area, 1] of the image and log-uniform aspect ratio in ASPECT_RATIOS that
+    fits, at a uniform position; where none fits, the whole image cut to the nearest ratio
+    in range, centered. Run by DALI (fn.python_function) on the batch at once: numpy in
+    float64, where some 30 of DALI's arithmetic operators took 12 ms a batch of 256."""
+    k, (lo, hi) = CROP_ATTEMPTS, ASPECT_RATIOS
+    hw, u = np.stack(shapes)[:, :2].astype(np.float64), np.stack(draws).astype(np.float64)
+    h, w = hw[:, :1], hw[:, 1:]
+    area = h * w * (min_area + u[:, :k] * (1 - min_area))
+    ratio = np.exp(math.log(lo) + u[:, k:2 * k] * (math.log(hi) - math.log(lo)))
+    widths, heights = np.round(np.sqrt(area * ratio)), np.round(np.sqrt(area / ratio))  # Python's round(), half to even
+    fits = (widths >= 1) & (widths <= w) & (heights >= 1) & (heights <= h)
+    found, first = fits.any(1), fits.argmax(1)
+    rows, h, w = np.arange(len(u)), h[:, 0], w[:, 0]
+    # none fits: the whole image, cut to the nearest ratio in range
+    whole_w = np.where(w / h > hi, np.round(h * hi), w)
+    whole_h = np.where(w / h < lo, np.round(w / lo), h)
+    width = np.where(found, widths[rows, first], whole_w)
+    height = np.where(found, heights[rows, first], whole_h)
+    x = np.where(found, np.floor(u[:, 2 * k] * (w - width + 1)), (w - width) // 2)
+    y = np.where(found, np.floor(u[:, 2 * k + 1] * (h - height + 1)), (h - height) // 2)
+    return list(np.stack([x, y], 1).astype(np.float32)), list(np.stack([width, height], 1).astype(np.float32))
 
 
 def read(path: str) -> np.ndarray:
@@ -116,8 +116,9 @@ class JpegFolderSource(DaliSource):
         # on the GPU: all of it on the JPEG engines (hw_decoder_load=1), none on the SMs the step uses
         gpu_only = {"hw_decoder_load": 1.0} if decoder == "mixed" else {}
         if augment and self.host_crops:
-            anchor, size = resized_crop(fn.peek_image_shape(jpegs), fn.external_source(name="crop", dtype=types.FLOAT),
-                                        self.d.min_crop_area)
+            anchor, size = fn.python_function(fn.peek_image_shape(jpegs), fn.external_source(name="crop", dtype=types.FLOAT),
+                                              function=partial(resized_crop_windows, min_area=self.d.min_crop_area),
+                                              num_outputs=2, batch_processing=True)
             images = fn.decoders.image_slice(jpegs, anchor, size, axis_names="WH", normalized_anchor=False,
                                              normalized_shape=False, device=decoder, output_type=types.RGB,
                                              **gpu_only)
