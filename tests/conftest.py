@@ -1,3 +1,4 @@
+"""Fixtures for every test file: each test starts from torch's process-wide defaults."""
 import pytest
 import torch
 
