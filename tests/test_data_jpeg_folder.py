@@ -191,14 +191,11 @@ def test_under_deterministic_a_resumed_run_crops_what_an_uninterrupted_one_crops
     make_jpeg_tree([str(tmp_path / "t"), "--classes", "2", "--per-class", "6", "--val-per-class", "1",
                     "--size", "48x36", "--jobs", "2"])
     cfg = config(tmp_path / "t", num_classes=2, batch=4, host_decode=0.5, flip="none")
-    torch.use_deterministic_algorithms(deterministic)  # as use_device sets it before the data is built
-    try:
-        went_on, _ = build_sources(cfg, CPU, 0, 1, None)
-        epochs = [torch.cat([data for data, _, _ in serve(went_on, (4, 4, 4), 24, epoch=epoch)]) for epoch in range(3)]
-        resumed, _ = build_sources(cfg, CPU, 0, 1, None)
-        again = torch.cat([data for data, _, _ in serve(resumed, (4, 4, 4), 24, epoch=2)])
-    finally:
-        torch.use_deterministic_algorithms(False)
+    torch.use_deterministic_algorithms(deterministic)  # as use_device sets it before the data is built (conftest resets it)
+    went_on, _ = build_sources(cfg, CPU, 0, 1, None)
+    epochs = [torch.cat([data for data, _, _ in serve(went_on, (4, 4, 4), 24, epoch=epoch)]) for epoch in range(3)]
+    resumed, _ = build_sources(cfg, CPU, 0, 1, None)
+    again = torch.cat([data for data, _, _ in serve(resumed, (4, 4, 4), 24, epoch=2)])
     assert torch.equal(epochs[2], again) == deterministic
     # and the crops are random: one image, cropped anew in the next epoch
     first, second = (went_on.shard.epoch(went_on.seed, e).examples.tolist() for e in (1, 2))
