@@ -20,6 +20,7 @@ from trainer.data import build_sources  # noqa: E402
 from trainer.dist import Dist  # noqa: E402
 from trainer.feeder import BUFFERS  # noqa: E402
 from trainer.loop import Trainer  # noqa: E402
+from trainer.setup import use_device  # noqa: E402
 
 DEFAULTS = ["data=imagefolder", "model=resnet50", "trainer.batch_size=256", "amp=true", "data.num_classes=100",
             "trainer.epochs=3", "trainer.eval_every=100", "trainer.checkpoint_every=0", "trainer.log_every=1000"]
@@ -58,6 +59,7 @@ def seconds(start: torch.cuda.Event, end: torch.cuda.Event) -> float:
 def main(overrides: list[str]):
     cfg = compose_config(DEFAULTS + overrides)
     device = torch.device("cuda")
+    use_device(device, cfg)  # as the trainer sets it first: deterministic=true crops with host-drawn windows
     alone = loader_alone(cfg, device, 60)
     trainer = Trainer(cfg, Path(tempfile.mkdtemp()), Dist())
     # Epochs queued back to back, as fit() queues them: the host does not wait for the

@@ -1,6 +1,7 @@
 """Steady training throughput of runs made with trainer.log_every=1: the median images/s
 over the last epoch's steps (its first step, which spans the epoch boundary and the
-evaluation, left out), and each run's ratio to the first run named.
+evaluation, left out), and each run's ratio to the first run named; with rank 0's arena
+and peak device memory.
 
     python bench/throughput.py RUN_DIR_ONE_GPU RUN_DIR_TWO_GPUS ...
 """
@@ -10,18 +11,19 @@ import sys
 from pathlib import Path
 
 
-def steady(run_dir: Path) -> tuple[float, int, int]:
-    """(median images/s, steps it is taken over, world size) of one run."""
+def steady(run_dir: Path) -> tuple[float, int, dict]:
+    """(median images/s, steps it is taken over, summary) of one run."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "step" in r]
     last = [r["images_per_s"] for r in steps if r["epoch"] == steps[-1]["epoch"]][1:]
-    return statistics.median(last), len(last), json.loads((run_dir / "summary.json").read_text())["world_size"]
+    return statistics.median(last), len(last), json.loads((run_dir / "summary.json").read_text())
 
 
 if __name__ == "__main__":
     base = None
     for name in sys.argv[1:]:
-        rate, count, world = steady(Path(name))
-        base = base or rate
+        rate, count, summary = steady(Path(name))
+        base, world = base or rate, summary["world_size"]
         print(f"{name}: {world} GPU(s), {rate:,.0f} images/s (median of {count} steps), "
-              f"{rate / base:.2f}x the first run, {rate / base / world:.1%} per GPU")
+              f"{rate / base:.2f}x the first run, {rate / base / world:.1%} per GPU; arena "
+              f"{summary['arena_bytes'] / 2**30:.3f} GiB, peak {summary['peak_memory_bytes'] / 2**30:.3f} GiB a GPU")

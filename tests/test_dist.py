@@ -358,28 +358,76 @@ def test_a_killed_worker_is_restarted_and_the_job_resumes(e2e):
     torch.testing.assert_close(list(steps.values()), list(straight.values()), rtol=1e-4, atol=0)
     torch.testing.assert_close(epochs[-1]["val_loss"], straight_epochs[-1]["val_loss"], rtol=1e-4, atol=0)
     assert sorted(p.name for p in (killed / "checkpoints").iterdir()) == ["epoch_0001.pt", "epoch_0002.pt"]
+    # the sharded plan holds half the momentum on each rank
+    sharded, replicated = (json.loads((run / "summary.json").read_text()) for run in (killed, e2e / "two"))
+    assert sharded["arena_bytes"] < replicated["arena_bytes"] and sharded["peak_memory_bytes"] is None  # a CPU
+
+
+def gpu_ranks() -> int:
+    return min(WORLD, torch.cuda.device_count())
+
+
+def on_gpus() -> list:
+    """50 steps (two epochs of 25) of the global batch on the GPUs, deterministic kernels."""
+    return ["device=cuda", "graphs=true", "deterministic=true", f"data.train_size={25 * gpu_ranks() * BATCH}"]
+
+
+@pytest.fixture(scope="module")
+def one_gpu(tmp_path_factory) -> dict:
+    """One process without torchrun at the global batch, BatchNorm in ghost batches: the
+    reference of the runs on several GPUs, for fp32 (TF32 off) and AMP."""
+    root, runs = tmp_path_factory.mktemp("one_gpu"), {}
+    for precision, env in (("amp=false", {"TEST_FP32_CONVOLUTIONS": "1"}), ("amp=true", {})):
+        run_dir = root / precision.replace("=", "_")
+        launch(run_dir, *on_gpus(), precision, f"trainer.batch_size={gpu_ranks() * BATCH}", torchrun=False,
+               env={"TEST_GHOST_BN": str(gpu_ranks()), **env})
+        runs[precision] = records(run_dir)[0]
+    return runs
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("amp", ["amp=false", "amp=true"])
+@pytest.mark.parametrize("precision, rtol", [("amp=false", 1e-4), ("amp=true", 2e-2)], ids=["fp32", "amp"])
 @pytest.mark.parametrize("sharded", [False, True], ids=["replicated", "sharded"])
-def test_nccl_inside_cuda_graphs_trains_like_one_process(tmp_path, amp, sharded):
+def test_nccl_inside_cuda_graphs_trains_like_one_process(tmp_path, one_gpu, precision, rtol, sharded):
     """torchrun on up to two GPUs (one: NCCL with a single rank), collectives captured in the
-    step's graphs, against one process without torchrun at the global batch. (cuDNN picks
-    its algorithms per batch size, with TF32: the curves agree to that rounding.)"""
-    ranks = min(WORLD, torch.cuda.device_count())
+    step's graphs, against one process at the global batch, 50 steps. In fp32 the curves
+    agree to float32's rounding (each process sums its gradients in another order, and cuDNN
+    picks its algorithms per batch size); under AMP to fp16's."""
+    ranks = gpu_ranks()
     if sharded and ranks < 2:
         pytest.skip("sharded optimizer state needs two GPUs")
-    gpu = ["device=cuda", "graphs=true", amp]
-    launch(tmp_path / "one", *gpu, f"trainer.batch_size={ranks * BATCH}", torchrun=False,
-           env={"TEST_GHOST_BN": str(ranks)})
-    launch(tmp_path / "many", *gpu, f"trainer.batch_size={BATCH}", f"dist.shard_optimizer={sharded}", ranks=ranks)
-    (one, _), (many, _) = records(tmp_path / "one"), records(tmp_path / "many")
-    assert list(many) == list(one)
-    torch.testing.assert_close(list(many.values()), list(one.values()), rtol=2e-2, atol=0)
-    summary = json.loads((tmp_path / "many" / "summary.json").read_text())
+    env = {"TEST_FP32_CONVOLUTIONS": "1"} if precision == "amp=false" else {}
+    launch(tmp_path, *on_gpus(), precision, f"trainer.batch_size={BATCH}", f"dist.shard_optimizer={sharded}",
+           ranks=ranks, env=env)
+    one, many = one_gpu[precision], records(tmp_path)[0]
+    assert list(many) == list(one) == list(range(1, 51))
+    a, b = torch.tensor(list(many.values()), dtype=torch.float64), torch.tensor(list(one.values()), dtype=torch.float64)
+    print(f"{precision}, sharded={sharded}: the largest relative difference of the 50 losses is "
+          f"{((a - b).abs() / b.abs()).max():.2e}, over the first 10 {((a - b).abs() / b.abs())[:10].max():.2e}")
+    torch.testing.assert_close(a, b, rtol=rtol, atol=0)
+    summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["graphs"] and summary["world_size"] == ranks
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_killed_gpu_worker_is_restarted_and_the_job_ends_as_the_uninterrupted_one(tmp_path):
+    """Rank 1 of two killed in the second epoch on NCCL with graphs, sharded optimizer
+    state and AMP: torchrun restarts both, they resume from the first epoch's checkpoint and
+    end with the uninterrupted job's every loss, to the bit."""
+    gpu = [*on_gpus(), "amp=true", f"trainer.batch_size={BATCH}"]
+    straight, killed, replicated = tmp_path / "straight", tmp_path / "killed", tmp_path / "replicated"
+    launch(straight, *gpu, "dist.shard_optimizer=true")
+    launch(killed, *gpu, "dist.shard_optimizer=true", env={"TEST_KILL_AT_STEP": "37"})
+    launch(replicated, *gpu)
+    assert f"resumed from {killed} after epoch 1" in (killed / "run.log").read_text()
+    (steps, epochs), (straight_steps, straight_epochs) = records(killed), records(straight)
+    assert steps == straight_steps and len(steps) == 50
+    assert [e["val_loss"] for e in epochs] == [e["val_loss"] for e in straight_epochs]
+    sharded, whole = (json.loads((d / "summary.json").read_text()) for d in (killed, replicated))
+    assert sharded["arena_bytes"] < whole["arena_bytes"]
+    assert sharded["peak_memory_bytes"] >= sharded["arena_bytes"]
 
 
 def test_a_rank_with_another_plan_is_refused_and_each_rank_logs_why(tmp_path):
@@ -408,6 +456,8 @@ if __name__ == "__main__":  # a trainer process of the end-to-end tests, with th
     import runpy
 
     import trainer.setup
+    if os.environ.get("TEST_FP32_CONVOLUTIONS"):  # cuDNN's default is TF32, which rounds to 10 bits
+        torch.backends.cudnn.allow_tf32 = False
     if os.environ.get("TEST_GHOST_BN"):
         make_model = trainer.setup.make_model
         trainer.setup.make_model = lambda cfg: ghost_batch_norm(make_model(cfg), int(os.environ["TEST_GHOST_BN"]))

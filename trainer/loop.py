@@ -272,7 +272,11 @@ class Trainer:
                 "train_and_eval_s": round(self.run_seconds, 3),
                 "wall_s": round(self.clock(), 3), "time_to_first_step_s": self.first_step_s,
                 "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
-                "world_size": self.dist.world, "graphs": self.executor.use_graphs}
+                "world_size": self.dist.world, "graphs": self.executor.use_graphs,
+                # this rank's arena (the plan: a share of the optimizer state under dist.shard_optimizer)
+                # and its peak of torch's allocations on the device (arena, activations, workspaces)
+                "arena_bytes": self.arena.plan.total_bytes,
+                "peak_memory_bytes": torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None}
 
     # -- helpers ----------------------------------------------------------------------------
     def _first_step_done(self):
