@@ -14,19 +14,22 @@ TINY = ["data.train_size=512", "data.val_size=128", "trainer.batch_size=32", "tr
         "fold_bn=true", "model=cifar_resnet20_narrow", "deterministic=true"]
 
 
-def _run_on_a_new_machine(tmp_path, monkeypatch, name: str, overrides: list[str]):
-    """A run in a fresh process's state, with the machine's own caches empty."""
+def _run_on_a_new_machine(tmp_path, monkeypatch, name: str, overrides: list[str], machine: str | None = None):
+    """A run in a fresh process's state, on a machine whose own caches start empty (the
+    caches of `machine`, where given: the machine of an earlier run). Returns the run's
+    results, its hits and misses of the compile caches, and the trainer."""
     from torch._dynamo.utils import counters
 
     from trainer.loop import Trainer
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / f"machine_{name}"))
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / f"machine_{name}_triton"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / f"machine_{machine or name}"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / f"machine_{machine or name}_triton"))
     torch._dynamo.reset()
     counters.clear()
-    summary = Trainer(compose_config([*TINY, *overrides]), tmp_path / name, Dist()).fit()
+    trainer = Trainer(compose_config([*TINY, *overrides]), tmp_path / name, Dist())
+    summary = trainer.fit()
     hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
     misses = counters["inductor"]["fxgraph_cache_miss"] + counters["aot_autograd"]["autograd_cache_miss"]
-    return (summary["train_loss"], summary["val_loss"], summary["val_top1"]), hits, misses
+    return (summary["train_loss"], summary["val_loss"], summary["val_top1"]), hits, misses, trainer
 
 
 def test_a_new_machine_with_the_folder_compiles_nothing_and_trains_the_same(tmp_path, monkeypatch, caplog):
@@ -36,19 +39,40 @@ def test_a_new_machine_with_the_folder_compiles_nothing_and_trains_the_same(tmp_
     first does (deterministic=true: on a GPU, cuDNN's autotuning could otherwise pick other
     algorithms in each run). Without the folder that machine compiles all again."""
     with caplog.at_level("INFO", logger="trainer"):
-        first, _, first_misses = _run_on_a_new_machine(tmp_path, monkeypatch, "first",
-                                                       [f"compile_cache={tmp_path / 'cache'}"])
+        first, _, first_misses, _ = _run_on_a_new_machine(tmp_path, monkeypatch, "first",
+                                                          [f"compile_cache={tmp_path / 'cache'}"])
     assert f"load it from {(tmp_path / 'cache').resolve()} in seconds" in caplog.text
     assert first_misses >= 4  # forward and backward of training, and evaluation
     assert os.environ["TRITON_CACHE_DIR"] == str((tmp_path / "cache").resolve() / "triton")  # the trainer's kernels too
     assert not (tmp_path / "machine_first").exists()
     shutil.copytree(tmp_path / "cache", tmp_path / "elsewhere" / "cache")
-    second, hits, misses = _run_on_a_new_machine(tmp_path, monkeypatch, "second",
-                                                 [f"compile_cache={tmp_path / 'elsewhere' / 'cache'}"])
+    second, hits, misses, _ = _run_on_a_new_machine(tmp_path, monkeypatch, "second",
+                                                    [f"compile_cache={tmp_path / 'elsewhere' / 'cache'}"])
     assert misses == 0 and hits == first_misses
     assert second == pytest.approx(first, rel=1e-6)
-    _, hits, misses = _run_on_a_new_machine(tmp_path, monkeypatch, "without", [])
+    _, hits, misses, _ = _run_on_a_new_machine(tmp_path, monkeypatch, "without", [])
     assert hits == 0 and misses == first_misses
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_compiled_run_resumed_from_the_caches_it_filled_ends_as_one_compiled_cold_and_uninterrupted(
+        tmp_path, monkeypatch):
+    """deterministic=true with compile=true on a GPU: a run that stops after its first epoch
+    compiles cold (inductor tunes its kernels by timing them); resumed in a new process on
+    the same machine it loads all of that from the machine's caches. It ends with every
+    persistent byte of the run that went on uninterrupted on another machine, which compiled
+    and tuned on its own: under deterministic mode no tuning may change how a sum is split."""
+    from trainer import checkpoint
+    two = ["trainer.epochs=2"]
+    _, _, cold, straight = _run_on_a_new_machine(tmp_path, monkeypatch, "straight", two)
+    _run_on_a_new_machine(tmp_path, monkeypatch, "first", [*two, "trainer.stop_after_epoch=1"])
+    _, hits, misses, resumed = _run_on_a_new_machine(tmp_path, monkeypatch, "resumed",
+                                                     [*two, f"trainer.resume={tmp_path / 'first'}"], machine="first")
+    assert cold >= 4 and misses == 0 and hits == cold
+    for r in checkpoint.STATE_REGIONS:
+        assert torch.equal(checkpoint._region_bytes(resumed.arena, r), checkpoint._region_bytes(straight.arena, r)), r
+    assert resumed.history == straight.history
 
 
 def test_compile_cache_without_compile_or_where_no_folder_can_be_is_refused(tmp_path):
