@@ -23,7 +23,8 @@ if __name__ == "__main__":
     base = None
     for name in sys.argv[1:]:
         rate, count, summary = steady(Path(name))
-        base, world = base or rate, summary["world_size"]
+        base, world, peak = base or rate, summary["world_size"], summary["peak_memory_bytes"]
         print(f"{name}: {world} GPU(s), {rate:,.0f} images/s (median of {count} steps), "
               f"{rate / base:.2f}x the first run, {rate / base / world:.1%} per GPU; arena "
-              f"{summary['arena_bytes'] / 2**30:.3f} GiB, peak {summary['peak_memory_bytes'] / 2**30:.3f} GiB a GPU")
+              f"{summary['arena_bytes'] / 2**30:.3f} GiB, "
+              + (f"peak {peak / 2**30:.3f} GiB a GPU" if peak is not None else "no device peak (a CPU run)"))
