@@ -33,6 +33,8 @@ CONFIGS = {
                               W_EQ | V | FP32_ONLY),
 }
 DTYPES = {"fp32", "fp16", "int32", "int8"}
+# one rank of a job of four processes, planned from a single one
+SHARDED = ["optimizer=adamw", "dist.shard_optimizer=true", "dist.plan_ranks=4"]
 
 
 def run_plan(run_dir: Path, *overrides) -> subprocess.CompletedProcess:
@@ -50,6 +52,8 @@ BAD = {
     "host-decode-share-above-one": (["data.host_decode=1.5"], "data.host_decode=1.5 must lie in [0, 1]", True),
     "muon-without-a-schedule-peak": (["optimizer=muon", "optimizer.lr=0"], "optimizer=muon with optimizer.lr=0", True),
     "learning-rate-not-a-number": (["optimizer.lr=nan"], "optimizer.lr=nan must be a finite number", True),
+    "plan-ranks-in-a-training-run": (["mode=train", "dist.plan_ranks=4"], "dist.plan_ranks=4 only applies to mode=plan",
+                                     True),
 }
 
 
@@ -59,11 +63,11 @@ def runs(tmp_path_factory):
     name -> (process, plan.json or None)."""
     def one(name):
         run_dir = tmp_path_factory.mktemp(name)
-        proc = run_plan(run_dir, *(CONFIGS[name][0] if name in CONFIGS else BAD[name][0]))
+        proc = run_plan(run_dir, *({**CONFIGS, **BAD}[name][0] if name != "sharded" else SHARDED))
         path = run_dir / "plan.json"
         return name, (proc, json.loads(path.read_text()) if path.exists() else None)
     with ThreadPoolExecutor(max_workers=3) as pool:
-        return dict(pool.map(one, [*CONFIGS, *BAD]))
+        return dict(pool.map(one, [*CONFIGS, *BAD, "sharded"]))
 
 
 def finished(runs, name):
@@ -177,6 +181,15 @@ def test_resnet50_plan(runs):
         assert len(ws) == len(hs) == 54
         for w, h in zip(ws, hs):
             assert w["shape"] == h["shape"] and (w["offset"] - w0) == 2 * (h["offset"] - h0), w["name"]
+
+
+def test_one_rank_of_a_sharded_job_holds_its_share_of_the_moments(runs):
+    proc, plan = finished(runs, "sharded")
+    s = plan["sharding"]
+    assert plan["config"]["shards"] == s["shards"] == 4
+    assert s["bytes_per_gpu"] < 0.3 * s["replicated_bytes"] and s["saved_bytes_per_gpu"] > 0
+    assert "optimizer state sharded over 4 ranks" in proc.stdout
+    assert f"{s['bytes_per_gpu']:,} bytes a GPU where replicated it takes {s['replicated_bytes']:,}" in proc.stdout
 
 
 def test_fingerprints_differ_between_configurations(runs):

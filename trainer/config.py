@@ -123,6 +123,9 @@ class DistConfig:
     shard_optimizer: bool = False  # ZeRO stage 1: each rank keeps and updates a share of M/V (N: replicated)
     deep_conv_buckets: int = 4  # all-reduce buckets over G_DEEP_CONV, issued in reverse layer order
     timeout_s: int = 600
+    # mode=plan: the plan of one rank of a job of this many processes, its share of the data
+    # and (under shard_optimizer) of the moments; 0: this job's (torchrun's WORLD_SIZE, else 1)
+    plan_ranks: int = 0
 
 
 @dataclass
@@ -202,7 +205,8 @@ _POSITIVE = ("model.logit_scale", "trainer.epochs", "trainer.batch_size", "data.
 _NON_NEGATIVE = ("model.head_std", "optimizer.lr", "optimizer.muon_lr", "trainer.ema_warmup_power", "data.threads", "optimizer.weight_decay", "optimizer.bias_lr_scale", "optimizer.lars_eta",
                  "trainer.val_batch_size", "trainer.lowres_epochs", "trainer.checkpoint_every",
                  "trainer.stop_after_epoch", "schedule.warmup_epochs", "data.train_size", "data.val_size",
-                 "data.crop_padding", "data.cutout", "bench.warmup", "bench.profile", "optimizer.nominal_batch", "data.tta")
+                 "data.crop_padding", "data.cutout", "bench.warmup", "bench.profile", "optimizer.nominal_batch", "data.tta",
+                 "dist.plan_ranks")
 _FRACTIONS = ("optimizer.momentum", "optimizer.muon_momentum", "optimizer.beta2", "ema_decay", "trainer.label_smoothing",
               "schedule.final_fraction", "schedule.warmup_start_fraction", "data.min_crop_area")
 _CLOSED_FRACTIONS = ("data.host_decode",)
@@ -234,6 +238,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for key in _CLOSED_FRACTIONS:
         if not 0 <= _get(cfg, key) <= 1:
             raise ConfigError(f"{key}={_get(cfg, key)} must lie in [0, 1]")
+    if cfg.dist.plan_ranks and cfg.mode != "plan":
+        raise ConfigError(f"dist.plan_ranks={cfg.dist.plan_ranks} only applies to mode=plan; a job's ranks are "
+                          f"the processes torchrun starts (--nproc_per_node, --nnodes)")
     t = cfg.trainer
     if t.lowres_epochs and not 0 < t.lowres_resolution <= cfg.data.resolution:
         raise ConfigError(f"trainer.lowres_epochs={t.lowres_epochs} needs trainer.lowres_resolution in "

@@ -12,4 +12,9 @@ def region_table(plans: Plans) -> str:
                 f"{len(p.tensors)} tensors; variants: "
                 + ", ".join(f"{v.name} {v.batch}x{v.resolution}" for v in plans.variants)
                 + f"; fingerprint {plans.fingerprint()}")
+    if p.config.shards > 1:
+        s = p.sharding()
+        rows.append(f"optimizer state sharded over {s['shards']} ranks ({', '.join(s['sharded_regions'])}): "
+                    f"{s['bytes_per_gpu']:,} bytes a GPU where replicated it takes {s['replicated_bytes']:,}, "
+                    f"{s['saved_bytes_per_gpu']:,} bytes saved")
     return "\n".join(rows)
