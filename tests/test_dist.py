@@ -415,7 +415,8 @@ def test_nccl_inside_cuda_graphs_trains_like_one_process(tmp_path, one_gpu, prec
 def test_a_killed_gpu_worker_is_restarted_and_the_job_ends_as_the_uninterrupted_one(tmp_path):
     """Rank 1 of two killed in the second epoch on NCCL with graphs, sharded optimizer
     state and AMP: torchrun restarts both, they resume from the first epoch's checkpoint and
-    end with the uninterrupted job's every loss, to the bit."""
+    end with the uninterrupted job's every loss, to the bit; as the replicated job does (two
+    ranks' sums, reduce-scattered or all-reduced, round alike; the update is elementwise)."""
     gpu = [*on_gpus(), "amp=true", f"trainer.batch_size={BATCH}"]
     straight, killed, replicated = tmp_path / "straight", tmp_path / "killed", tmp_path / "replicated"
     launch(straight, *gpu, "dist.shard_optimizer=true")
@@ -425,6 +426,7 @@ def test_a_killed_gpu_worker_is_restarted_and_the_job_ends_as_the_uninterrupted_
     (steps, epochs), (straight_steps, straight_epochs) = records(killed), records(straight)
     assert steps == straight_steps and len(steps) == 50
     assert [e["val_loss"] for e in epochs] == [e["val_loss"] for e in straight_epochs]
+    assert records(replicated)[0] == straight_steps
     sharded, whole = (json.loads((d / "summary.json").read_text()) for d in (killed, replicated))
     assert sharded["arena_bytes"] < whole["arena_bytes"]
     assert sharded["peak_memory_bytes"] >= sharded["arena_bytes"]
