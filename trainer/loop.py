@@ -62,6 +62,7 @@ class Trainer:
             if t.first_conv_init == "whiten":
                 init = lambda model: whiten_first_conv(first_conv(model), data.result()[0].peek(5000))
             self.engine = e = assemble(cfg, self.device, dist.world, init, grad_sync_factory=dist.grad_sync_factory)
+            model_and_plan = self.clock()  # its own time: the data may still be loading
             self.train_source, self.val_source = data.result()
         dist.prepare(e)
         self.model, self.plans, self.arena, self.ops, self.executor = e.model, e.plans, e.arena, e.ops, e.executor
@@ -76,7 +77,7 @@ class Trainer:
             done = checkpoint.load(Path(t.resume), self.arena, self.meta, dist.rank)
             self.start_epoch, self.history = done["epoch"], done.get("history", [])
             log.info("resumed from %s after epoch %d", t.resume, self.start_epoch)
-        model_and_plan = self.clock()
+        ready = self.clock()
         # a finished run resumed, or torchrun restarting a job after its last checkpoint
         finished = not evaluate_only and self.start_epoch >= math.ceil(t.epochs)
         if finished:
@@ -94,9 +95,10 @@ class Trainer:
             self.ops.sema_switch()
             self.ops.sema_switch()
         self.setup_s = self.clock()
-        # the parts: the data beside the model and plan, both from the start; capture after them
+        # the parts: the data beside the model and plan, each its own time from the start; then,
+        # once both are there (and a checkpoint is loaded), warm-up, compilation and capture
         self.setup_parts = {"data": round(self.data_s, 3), "model_and_plan": round(model_and_plan, 3),
-                            "warm_up_compile_capture": round(self.setup_s - model_and_plan, 3)}
+                            "warm_up_compile_capture": round(self.setup_s - ready, 3)}
         log.info("set-up %.1f s: data %.1f s beside model and plan %.1f s, then warm-up, compilation and capture "
                  "%.1f s", self.setup_s, *self.setup_parts.values())
 
