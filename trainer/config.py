@@ -202,8 +202,9 @@ _CHOICES = {
 _POSITIVE = ("model.logit_scale", "trainer.epochs", "trainer.batch_size", "data.resolution", "data.num_classes", "trainer.log_every",
              "optimizer.eps", "trainer.grad_scale_init", "trainer.grad_scale_growth_interval",
              "trainer.ema_every", "dist.deep_conv_buckets", "bench.steps", "bench.profile_rows", "optimizer.newton_schulz_steps")
-_NON_NEGATIVE = ("model.head_std", "optimizer.lr", "optimizer.muon_lr", "trainer.ema_warmup_power", "data.threads", "optimizer.weight_decay", "optimizer.bias_lr_scale", "optimizer.lars_eta",
-                 "trainer.val_batch_size", "trainer.lowres_epochs", "trainer.checkpoint_every",
+_NON_NEGATIVE = ("model.head_std", "optimizer.lr", "optimizer.muon_lr", "trainer.ema_warmup_power", "data.threads",
+                 "optimizer.weight_decay", "optimizer.bias_lr_scale", "optimizer.lars_eta", "trainer.val_batch_size",
+                 "trainer.lowres_epochs", "trainer.checkpoint_every",
                  "trainer.stop_after_epoch", "schedule.warmup_epochs", "data.train_size", "data.val_size",
                  "data.crop_padding", "data.cutout", "bench.warmup", "bench.profile", "optimizer.nominal_batch", "data.tta",
                  "dist.plan_ranks")
