@@ -1,7 +1,6 @@
 """The Hydra application: validate the configuration, then run the requested mode."""
 import json
 import logging
-import os
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
@@ -14,9 +13,10 @@ log = logging.getLogger("trainer")
 
 
 def run_plan(cfg: TrainConfig, run_dir: Path):
+    from trainer.dist import from_env
     from trainer.report import region_table
     from trainer.setup import make_plans
-    plans = make_plans(cfg, cfg.dist.plan_ranks or int(os.environ.get("WORLD_SIZE", 1)))[1]
+    plans = make_plans(cfg, cfg.dist.plan_ranks or from_env().world)[1]
     print(region_table(plans))
     (run_dir / "plan.json").write_text(json.dumps(plans.to_json(), indent=1))
     log.info("wrote %s", run_dir / "plan.json")
