@@ -7,10 +7,9 @@ import pytest
 import torch
 
 from tests.test_data_cifar import batches, config as cifar_config  # noqa: F401  (batches: a fixture)
-from tests.test_data_jpeg_folder import LABEL_OF_COLOR, colors_of, config as folder_config, tree  # noqa: F401
+from tests.test_data_jpeg_folder import LABEL_OF_COLOR, colors_of, config as folder_config, photo_tree, tree  # noqa: F401
 from tests.test_data_synthetic import config as synthetic_config
 from trainer.data import build_sources
-from trainer.data.make_jpeg_tree import main as make_jpeg_tree
 from trainer.errors import DataError
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -95,13 +94,11 @@ def test_a_file_the_gpu_decoder_cannot_decode_is_named(tree):
 
 
 @pytest.mark.parametrize("host_decode", [0.0, 0.5])
-def test_under_deterministic_the_gpu_decoder_crops_a_resumed_epoch_as_the_uninterrupted_run(tmp_path, host_decode):
+def test_under_deterministic_the_gpu_decoder_crops_a_resumed_epoch_as_the_uninterrupted_run(photo_tree, host_decode):
     """deterministic=true: the crop windows drawn on the host from the seed and the epoch,
     cut by the GPU's decoder (or the host's, for a share), in a pipeline that starts again
     at epoch 2 as a resumed run's does."""
-    make_jpeg_tree([str(tmp_path / "t"), "--classes", "2", "--per-class", "6", "--val-per-class", "1",
-                    "--size", "48x36", "--jobs", "2"])
-    cfg = folder_config(tmp_path / "t", num_classes=2, batch=4, host_decode=host_decode, flip="none")
+    cfg = folder_config(photo_tree, num_classes=2, batch=4, host_decode=host_decode, flip="none")
     torch.use_deterministic_algorithms(True)  # as use_device sets it before the data is built (conftest resets it)
     went_on, _ = build_sources(cfg, CUDA, 0, 1, torch.float16)
     epochs = [run_epoch(went_on, (4, 4, 4), 24, torch.float16, CUDA, epoch) for epoch in range(3)]

@@ -37,6 +37,15 @@ def tree(tmp_path) -> Path:
     return root
 
 
+@pytest.fixture
+def photo_tree(tmp_path) -> Path:
+    """Two classes of six striped images of about 48x36 for training (make_jpeg_tree):
+    crops of them differ from window to window, which the solid colors of `tree` hide."""
+    make_jpeg_tree([str(tmp_path / "photos"), "--classes", "2", "--per-class", "6", "--val-per-class", "1",
+                    "--size", "48x36", "--jobs", "2"])
+    return tmp_path / "photos"
+
+
 def config(root, num_classes=3, batch=4, val_batch=0, drop_last=True, resolution=24, **data):
     return TrainConfig(data=DataConfig(name="imagefolder", root=str(root), num_classes=num_classes,
                                        resolution=resolution, threads=2, **data),
@@ -183,14 +192,12 @@ def test_make_jpeg_tree(tmp_path):
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_under_deterministic_a_resumed_run_crops_what_an_uninterrupted_one_crops(tmp_path, deterministic):
+def test_under_deterministic_a_resumed_run_crops_what_an_uninterrupted_one_crops(photo_tree, deterministic):
     """deterministic=true: the random-resized crops come from draws of the seed and the
     epoch, and a source that starts at epoch 2, as a resumed run's does, serves epoch 2's
     very bytes. Otherwise they are DALI's draws, from a generator a new pipeline starts
     again: the resumed epoch crops otherwise."""
-    make_jpeg_tree([str(tmp_path / "t"), "--classes", "2", "--per-class", "6", "--val-per-class", "1",
-                    "--size", "48x36", "--jobs", "2"])
-    cfg = config(tmp_path / "t", num_classes=2, batch=4, host_decode=0.5, flip="none")
+    cfg = config(photo_tree, num_classes=2, batch=4, host_decode=0.5, flip="none")
     torch.use_deterministic_algorithms(deterministic)  # as use_device sets it before the data is built (conftest resets it)
     went_on, _ = build_sources(cfg, CPU, 0, 1, None)
     epochs = [torch.cat([data for data, _, _ in serve(went_on, (4, 4, 4), 24, epoch=epoch)]) for epoch in range(3)]
