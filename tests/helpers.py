@@ -81,3 +81,16 @@ def profile_share(profile: str) -> float:
     """The share of the measured step that a bench profile's kernels (or operators) add up to."""
     total = next(v for k, v in table_rows(profile).items() if k.startswith("all, against the measured"))
     return float(total[2].rstrip("%")) / 100
+
+
+def persistent_state(arena: Arena) -> dict:
+    """Every persistent byte of an arena by region, as a checkpoint keeps them (copies)."""
+    from trainer import checkpoint
+    return {r: checkpoint._region_bytes(arena, r).clone() for r in checkpoint.STATE_REGIONS}
+
+
+def assert_same_state(first: dict, *others: dict):
+    """Each persistent_state is the first one, byte for byte."""
+    for other in others:
+        for region, data in first.items():
+            assert torch.equal(other[region], data), region

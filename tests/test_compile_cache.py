@@ -6,6 +6,7 @@ import shutil
 import pytest
 import torch
 
+from tests.helpers import assert_same_state, persistent_state
 from trainer.config import compose_config
 from trainer.dist import Dist
 from trainer.errors import ConfigError
@@ -63,15 +64,13 @@ def test_a_compiled_run_resumed_from_the_caches_it_filled_ends_as_one_compiled_c
     the same machine it loads all of that from the machine's caches. It ends with every
     persistent byte of the run that went on uninterrupted on another machine, which compiled
     and tuned on its own: under deterministic mode no tuning may change how a sum is split."""
-    from trainer import checkpoint
     two = ["trainer.epochs=2"]
     _, _, cold, straight = _run_on_a_new_machine(tmp_path, monkeypatch, "straight", two)
     _run_on_a_new_machine(tmp_path, monkeypatch, "first", [*two, "trainer.stop_after_epoch=1"])
     _, hits, misses, resumed = _run_on_a_new_machine(tmp_path, monkeypatch, "resumed",
                                                      [*two, f"trainer.resume={tmp_path / 'first'}"], machine="first")
     assert cold >= 4 and misses == 0 and hits == cold
-    for r in checkpoint.STATE_REGIONS:
-        assert torch.equal(checkpoint._region_bytes(resumed.arena, r), checkpoint._region_bytes(straight.arena, r)), r
+    assert_same_state(persistent_state(resumed.arena), persistent_state(straight.arena))
     assert resumed.history == straight.history
 
 

@@ -25,6 +25,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from tests.helpers import assert_same_state, persistent_state  # noqa: E402
 from trainer import dist  # noqa: E402
 from trainer.collectives import units  # noqa: E402
 from trainer.errors import CheckpointError, PlanError  # noqa: E402
@@ -251,9 +252,7 @@ def _sharded_and_replicated(rank: int, folder: Path) -> dict:
             resumed = engine(cfg, d)
             checkpoint.load(path, resumed.arena, meta, rank)
             more = global_batches(cfg, 2, seed=1)
-            out["resumed"] = [(train(x, more, rank, WORLD),
-                               {r: checkpoint._region_bytes(x.arena, r).clone() for r in checkpoint.STATE_REGIONS})
-                              for x in (e, resumed)]
+            out["resumed"] = [(train(x, more, rank, WORLD), persistent_state(x.arena)) for x in (e, resumed)]
             with pytest.raises(CheckpointError) as refused:
                 checkpoint.load(path, engines[False].arena, meta, rank)
             out["refused"] = str(refused.value)
@@ -295,8 +294,7 @@ def test_sharded_checkpoint_resumes_every_rank_share(sharded_runs):
     for run in sharded_runs:
         (losses, state), (resumed_losses, resumed_state) = run["resumed"]
         assert resumed_losses == losses
-        for region, data in state.items():
-            assert torch.equal(resumed_state[region], data), region
+        assert_same_state(state, resumed_state)
         assert "sharded over 2 ranks, this run's over 1" in run["refused"]
 
 

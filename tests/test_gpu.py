@@ -2,7 +2,7 @@
 import re
 import pytest
 import torch
-from tests.helpers import profile_share, table_rows
+from tests.helpers import assert_same_state, persistent_state, profile_share, table_rows
 from trainer.config import compose_config
 from trainer.dist import Dist
 from trainer.plan import Baseline as B
@@ -42,15 +42,13 @@ def test_deterministic_runs_repeat_bit_for_bit_with_or_without_graphs(tmp_path, 
     graphs, end with every persistent byte of the first (LARS's norms, otherwise summed
     by atomics, and inductor's kernels included). Without it, two runs differ in their
     last bits (cuDNN's autotuned and atomic algorithms)."""
-    from trainer import checkpoint
     states = []
     for i, graphs in enumerate(("graphs=true", "graphs=true", "graphs=false")):
         t = trainer_for(tmp_path / str(i), "deterministic=true", graphs, "trainer.epochs=2", "trainer.seed=3",
                         *overrides, train_size=256)
         t.fit()
-        states.append({r: checkpoint._region_bytes(t.arena, r) for r in checkpoint.STATE_REGIONS})
-    for r in checkpoint.STATE_REGIONS:
-        assert torch.equal(states[0][r], states[1][r]) and torch.equal(states[0][r], states[2][r]), r
+        states.append(persistent_state(t.arena))
+    assert_same_state(*states)
 
 
 def test_the_compiled_step_trains_like_the_eager_step(tmp_path):
