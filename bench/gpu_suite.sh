@@ -9,8 +9,6 @@
 #   TAG=_freeze3 ARGS="trainer.stem_norm_freeze_epochs=3" bash bench/gpu_suite.sh cifar5c
 #   TAG=full ARGS="bench.profile_rows=400" bash bench/gpu_suite.sh r50p   # every kernel of both steps
 # firststep: bench/first_step_probe.py on ResNet-50 b256 with compile=true, on a fresh inductor cache.
-# r50scopes, r50b64scopes, r18scopes: compile=true with model.compile_scope=blocks, then =model, each on an empty
-# inductor cache (cold; blocks also again warm), against eager bf16.
 # compilecache: ours alone on ResNet-50 b256 with compile_cache: a cold run fills an empty folder, then a new machine's
 # first and second process run on a copy of it at another path.
 # compilecacheprobe: bench/first_step_probe.py on the $EXP recipe's model, the same way.
@@ -36,16 +34,6 @@ new_machine() {  # name, timeout, command...: a cold run into an empty compile_c
   section $1"1"$TAG $2 "${@:3}" compile_cache=$C; cp -r "$C" "$C.2"
   for run in 2 3; do section $1$run$TAG $2 "${@:3}" compile_cache=$C.2; done; du -sh "$C" "$C.2"
 }
-scopes() {  # name, overrides...: compile=true with model.compile_scope=blocks and =model, each on an empty inductor
-  # cache (cold), then blocks again on the cache it filled (warm)
-  local scope C
-  for scope in blocks model; do C="$(mktemp -d)"
-    TORCHINDUCTOR_CACHE_DIR=$C section $1_$scope$TAG 300 python3 run.py mode=bench "${@:2}" "bench.baselines=[eager_bf16]" \
-      compile=true model.compile_scope=$scope $ARGS hydra.run.dir=$OUT/$1_$scope$TAG
-    [ $scope = blocks ] && TORCHINDUCTOR_CACHE_DIR=$C section $1_blocks_warm$TAG 200 python3 run.py mode=bench "${@:2}" \
-      "bench.baselines=[]" compile=true model.compile_scope=blocks $ARGS hydra.run.dir=$OUT/$1_blocks_warm$TAG
-  done
-}
 for s in "$@"; do case $s in
   env) nvidia-smi -L; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.backends.cudnn.version())";;
   tests) section tests 420 python3 -m pytest -q tests/test_gpu.py tests/test_data_gpu.py tests/test_kernels.py -p no:cacheprovider;;
@@ -64,9 +52,6 @@ for s in "$@"; do case $s in
   r50) section r50 330 python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.optimizers=[momentum,lars,adamw]" hydra.run.dir=$OUT/r50;;
   r50nocompile) section r50nocompile 200 python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.baselines=[eager_bf16,eager_fp16]" "bench.optimizers=[momentum,lars,adamw]" hydra.run.dir=$OUT/r50nc;;
   r50compile) section r50compile$TAG 300 python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.baselines=[eager_bf16,compile_bf16]" compile=true $ARGS hydra.run.dir=$OUT/r50c$TAG;;
-  r50scopes) scopes r50 $R50 trainer.batch_size=256;;
-  r50b64scopes) scopes r50b64 $R50 trainer.batch_size=64;;
-  r18scopes) scopes r18 model=resnet18_cifar data.resolution=32 amp=true trainer.batch_size=512;;
   r50cdt) section r50cdt$TAG 480 python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.baselines=[eager_bf16,compile_bf16]" compile=true +compile_options.coordinate_descent_tuning=true $ARGS hydra.run.dir=$OUT/r50cdt$TAG;;
   r50p) section r50p$TAG 300 python3 run.py mode=bench $R50 trainer.batch_size=256 "bench.baselines=[compile_bf16]" compile=true bench.profile=10 $ARGS hydra.run.dir=$OUT/r50p$TAG;;
   r50b64) section r50b64 120 python3 run.py mode=bench $R50 trainer.batch_size=64 "bench.baselines=[eager_bf16,eager_fp16]" hydra.run.dir=$OUT/r50b64;;

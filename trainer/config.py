@@ -30,11 +30,6 @@ class ModelConfig:
     # and keeps the fastest; false takes cuDNN's heuristic choice, for a shorter first step
     # where that choice is as fast (conf/model/resnet50.yaml)
     cudnn_benchmark: bool = True
-    # compile=true: what inductor compiles. model: forward and backward as one graph each.
-    # blocks: each residual block (each conv group) and each BatchNorm outside one as its own
-    # region, so that the blocks of a stage that repeat one shape compile once, for a shorter
-    # first compile; the stem's conv and the head stay outside (conf/model/resnet50.yaml)
-    compile_scope: str = "model"
 
 
 @dataclass
@@ -197,7 +192,6 @@ _CHOICES = {
     "device": ("auto", "cpu", "cuda"),
     "model.stem": ("imagenet", "cifar"),
     "model.stem_norm": ("bias", "none"),
-    "model.compile_scope": ("model", "blocks"),
     "optimizer.name": OPTIMIZERS,
     "schedule.name": ("constant", "cosine", "linear", "step", "poly"),
     "data.name": ("synthetic", "cifar10", "imagefolder"),

@@ -16,7 +16,7 @@ from trainer.data import dataset_sizes
 from trainer.errors import ConfigError
 from trainer.executor import Executor
 from trainer.feeder import BUFFERS
-from trainer import models
+from trainer.models import build_model
 from trainer.planner import Plans, build_plans, freezable, frozen_tensors
 from trainer.pooling import use_max_pool_kernel
 from trainer.program import Program
@@ -49,7 +49,7 @@ def use_device(device: torch.device, cfg: TrainConfig):
 def make_model(cfg: TrainConfig) -> nn.Module:
     m = cfg.model
     try:
-        model = models.build_model(m.name, m.num_classes, m.depth, m.width, m.widths, m.stem, m.stem_norm, m.logit_scale,
+        model = build_model(m.name, m.num_classes, m.depth, m.width, m.widths, m.stem, m.stem_norm, m.logit_scale,
                             m.head_std)
     except ValueError as e:
         raise ConfigError(f"model: {e}") from None
@@ -85,41 +85,15 @@ def make_plans(cfg: TrainConfig, world: int = 1) -> tuple[nn.Module, Plans, int]
 
 
 def compiled(model: nn.Module, cfg: TrainConfig) -> nn.Module:
-    """The model under torch.compile, as a whole or region by region (model.compile_scope):
-    inductor fuses forward and backward, and the Executor captures its kernels in the step
-    graph. AOTAutograd's cache is let take graphs with
+    """The model under torch.compile: inductor fuses forward and backward, and the Executor
+    captures its kernels in the step graph. AOTAutograd's cache is let take graphs with
     custom autograd Functions (trainer/norm.py's BatchNorm, trainer/pooling.py's max-pool),
     which it leaves out by default: without it every process traced and partitioned
     forward and backward again, and only inductor's part of the compile came from the
     cache. Their backward is traced into the graph that keys the cache."""
     from torch._functorch import config as aot_config
     aot_config.autograd_cache_allow_custom_autograd_functions = True
-    options = compile_options(cfg)
-    if cfg.model.compile_scope == "model":
-        return torch.compile(model, dynamic=False, options=options)
-    # Dynamo keeps one graph per region shape and mode (training, evaluation, a frozen
-    # stem's input) under each block class's forward; its default of 8 would leave
-    # ResNet-50's blocks (8 shapes) running uncompiled from the first evaluation on
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    for region in compile_regions(model):
-        region.compile(dynamic=False, options=options)
-    return model
-
-
-def compile_regions(model: nn.Module) -> list[nn.Module]:
-    """The regions of model.compile_scope=blocks: each residual block or conv group, and
-    each BatchNorm outside one (a stem's). Blocks of one class and shape share their
-    compiled code."""
-    from torchvision.models.resnet import BasicBlock, Bottleneck  # slow to import: only here
-    regions = (Bottleneck, BasicBlock, models.BasicBlock, models.ConvGroup, nn.BatchNorm2d)
-
-    def walk(m: nn.Module):
-        if isinstance(m, regions):
-            yield m
-        else:
-            for child in m.children():
-                yield from walk(child)
-    return list(walk(model))
+    return torch.compile(model, dynamic=False, options=compile_options(cfg))
 
 
 @dataclass
