@@ -320,12 +320,31 @@ def records(run_dir: Path) -> tuple[dict, list]:
     return {r["step"]: r["loss"] for r in rows if "step" in r}, [r for r in rows if "train_loss" in r]
 
 
+def launch_nodes(cwd: Path, *args, job: str = "nodes7", gpus: bool = False):
+    """This file as the trainer script on two nodes of one process each: two torchrun
+    agents on this host that meet through a c10d rendezvous, as the nodes of a multi-node
+    job do (`gpus`: each node sees one GPU of its own, its device 0). No hydra.run.dir: the
+    nodes agree on the job's directory through its --rdzv_id, cwd/outputs/torchrun/<job>."""
+    head = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--max-restarts=0",
+            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", f"--rdzv_id={job}"]
+    # one thread a process, as torchrun gives each of several processes on one node: the
+    # nodes then sum in the one-node job's order
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen([*head, __file__, *E2E, *args], cwd=cwd, stdout=subprocess.PIPE, text=True,
+                              env={**env, "CUDA_VISIBLE_DEVICES": str(node)} if gpus else env,
+                              stderr=subprocess.STDOUT) for node in range(2)]
+    for node in nodes:
+        out = node.communicate(timeout=300)[0]
+        assert node.returncode == 0, out[-3000:]
+
+
 @pytest.fixture(scope="module")
 def e2e(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("e2e")
     launch(root / "one", "device=cpu", f"trainer.batch_size={WORLD * BATCH}", torchrun=False,
            env={"TEST_GHOST_BN": str(WORLD)})
     launch(root / "two", "device=cpu", f"trainer.batch_size={BATCH}")
+    launch_nodes(root, "device=cpu", f"trainer.batch_size={BATCH}")
     launch(root / "killed", "device=cpu", f"trainer.batch_size={BATCH}", "dist.shard_optimizer=true",
            env={"TEST_KILL_AT_STEP": str(PER_EPOCH + PER_EPOCH // 2)})
     return root
@@ -344,6 +363,17 @@ def test_torchrun_two_ranks_train_like_one_rank(e2e):
     assert {p.name for p in two.iterdir()} >= {"run.log", "run_rank1.log", "metrics.jsonl", "plan.json",
                                                "summary.json", "checkpoints", ".hydra"}
     assert "epoch 2" in (two / "run.log").read_text() and (two / "run_rank1.log").read_text() == ""
+
+
+def test_two_nodes_train_as_two_ranks_of_one_node_in_the_directory_their_job_id_names(e2e):
+    """A multi-node job: each node's process is its node's local rank 0, and the global
+    ranks (not the local ones) split the data, keep the records and the checkpoints."""
+    nodes, one_node = e2e / "outputs" / "torchrun" / "nodes7", e2e / "two"
+    (steps, epochs), (straight, straight_epochs) = records(nodes), records(one_node)
+    assert steps == straight and [e["val_loss"] for e in epochs] == [e["val_loss"] for e in straight_epochs]
+    assert json.loads((nodes / "summary.json").read_text())["world_size"] == WORLD
+    assert sorted(p.name for p in (nodes / "checkpoints").iterdir()) == ["epoch_0001.pt", "epoch_0002.pt"]
+    assert "epoch 2" in (nodes / "run.log").read_text() and (nodes / "run_rank1.log").read_text() == ""
 
 
 def test_a_killed_worker_is_restarted_and_the_job_resumes(e2e):
@@ -428,6 +458,20 @@ def test_a_killed_gpu_worker_is_restarted_and_the_job_ends_as_the_uninterrupted_
     sharded, whole = (json.loads((d / "summary.json").read_text()) for d in (killed, replicated))
     assert sharded["arena_bytes"] < whole["arena_bytes"]
     assert sharded["peak_memory_bytes"] >= sharded["arena_bytes"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_gpu_nodes_train_as_two_gpus_of_one_node(tmp_path):
+    """Two nodes of one GPU each, every node's GPU its device 0, NCCL inside the step's
+    graphs: the job ends with the one-node job's every loss, to the bit."""
+    gpu = [*on_gpus(), "amp=true", f"trainer.batch_size={BATCH}"]
+    launch(tmp_path / "one_node", *gpu)
+    launch_nodes(tmp_path, *gpu, gpus=True)
+    nodes = tmp_path / "outputs" / "torchrun" / "nodes7"
+    (steps, epochs), (straight, straight_epochs) = records(nodes), records(tmp_path / "one_node")
+    assert steps == straight and len(steps) == 50
+    assert [e["val_loss"] for e in epochs] == [e["val_loss"] for e in straight_epochs]
 
 
 def test_a_rank_with_another_plan_is_refused_and_each_rank_logs_why(tmp_path):
