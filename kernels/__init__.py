@@ -4,7 +4,8 @@ The one input kernel (crop_flip_normalize_, for data resident on the device) liv
 too, for the same reason: one launch where torch needs a dozen; and the model ops
 max_pool and max_pool_backward (trainer/pooling.py), which keep one byte per output, and
 BatchNorm's batch_norm_stats_ and batch_norm_backward (trainer/norm.py), whose channel
-reductions over channels-last activations inductor compiles at half the bandwidth."""
+reductions over channels-last activations inductor compiles at half the bandwidth, and
+batch_norm_apply, the normalization with the residual add and the ReLU of eager training."""
 import importlib
 import os
 

@@ -206,6 +206,19 @@ def batch_norm_stats_(x, running, momentum: float, eps: float):
     return mean, torch.rsqrt(var + eps)
 
 
+def batch_norm_apply(x, mean, invstd, weight, bias, residual, relu: bool):
+    """Training-mode BatchNorm's output from the batch's statistics, x * scale + shift
+    (scale = weight * invstd, shift = bias - mean * scale), plus `residual` where one is
+    given, then a ReLU when `relu`: computed in fp32 (or x's wider type), rounded once to
+    x's type, in x's layout."""
+    shape = (1, -1, 1, 1)
+    scale = (weight * invstd).view(shape)
+    y = _at_least_fp32(x) * scale + (bias.view(shape) - mean.view(shape) * scale)
+    if residual is not None:
+        y = y + residual
+    return (torch.relu(y) if relu else y).to(x.dtype)
+
+
 def batch_norm_backward(grad_out, x, mean, invstd, weight, bias, relu: bool):
     """The gradients (x, weight, bias; fp32 for the two parameters) of training-mode
     BatchNorm, y = x * scale + shift with scale = weight * invstd and shift = bias - mean *

@@ -492,6 +492,9 @@ class BnTiles(NamedTuple):
 BN_STATS = BnTiles(channels=64, elements=4096, warps=4, per_sm=2, stages=5)
 BN_SUMS = BnTiles(channels=64, elements=4096, warps=4, per_sm=2, stages=3)
 BN_GRADIENT = BnTiles(channels=128, elements=4096, warps=8, per_sm=2, stages=3)
+# the normalization pass (eager training) reads one or two tensors and writes one, as the
+# gradient pass does: its tiles, not swept on their own
+BN_NORMALIZE = BN_GRADIENT
 
 
 @triton.jit
@@ -590,6 +593,28 @@ def _bn_backward_apply_kernel(x_ptr, g_ptr, dx_ptr, mean_ptr, invstd_ptr, w_ptr,
         tl.store(dx_ptr + offs, (scale * (g - (dbias + xhat * dweight) / M)).to(dx_ptr.dtype.element_ty), mask)
 
 
+@triton.jit
+def _bn_normalize_kernel(x_ptr, r_ptr, y_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, M, C, RESIDUAL: tl.constexpr,
+                         RELU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr):
+    """y = x * scale + shift (+ r), then max(y, 0) when RELU (NaN stays NaN, as torch.relu
+    keeps it), over every num_programs(0)-th row tile from program_id(0) on."""
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    live = c < C
+    mean = tl.load(mean_ptr + c, live, other=0.0)[None, :]
+    scale = tl.load(w_ptr + c, live, other=0.0)[None, :] * tl.load(invstd_ptr + c, live, other=0.0)[None, :]
+    shift = tl.load(b_ptr + c, live, other=0.0)[None, :] - mean * scale
+    for t in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_R), tl.num_programs(0), num_stages=STAGES):
+        r = t * BLOCK_R + tl.arange(0, BLOCK_R)
+        mask = (r < M)[:, None] & live[None, :]
+        offs = r.to(tl.int64)[:, None] * C + c[None, :]
+        y = tl.load(x_ptr + offs, mask, other=0.0).to(tl.float32) * scale + shift
+        if RESIDUAL:
+            y += tl.load(r_ptr + offs, mask, other=0.0).to(tl.float32)
+        if RELU:
+            y = tl.where(y < 0, 0.0, y)
+        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask)
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """(N, C, H, W) as the (N*H*W, C) matrix of its channels-last layout (a view)."""
     return x.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1).reshape(-1, x.shape[1])
@@ -654,6 +679,19 @@ def batch_norm_stats_(x: torch.Tensor, running: torch.Tensor, momentum: float, e
 @batch_norm_stats_.register_fake
 def _(x, running, momentum, eps):
     return x.new_empty(x.shape[1], dtype=torch.float32), x.new_empty(x.shape[1], dtype=torch.float32)
+
+
+def batch_norm_apply(x, mean, invstd, weight, bias, residual, relu: bool):
+    """kernels.reference.batch_norm_apply in one pass over x (and the residual); the
+    output is channels-last. Eager training's normalization: inductor fuses its own."""
+    x_rows = _rows(x)
+    y = torch.empty_like(x, memory_format=torch.channels_last)
+    block_r, block_c, programs, blocks = BN_NORMALIZE.grid(x_rows)
+    _bn_normalize_kernel[(programs, blocks)](
+        x_rows, x_rows if residual is None else _rows(residual), _rows(y), mean, invstd, weight.float().contiguous(),
+        bias.float().contiguous(), len(x_rows), x.shape[1], RESIDUAL=residual is not None, RELU=relu,
+        BLOCK_R=block_r, BLOCK_C=block_c, STAGES=BN_NORMALIZE.stages, num_warps=BN_NORMALIZE.warps)
+    return y
 
 
 @torch.library.custom_op("trainer::batch_norm_backward", mutates_args=())

@@ -48,14 +48,17 @@ def ghost_batch_norm(model: nn.Module, chunks: int) -> nn.Module:
     """Every BatchNorm normalizes each 1/chunks of a training batch on its own."""
     for m in model.modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm):
-            m.forward = functools.partial(_ghost_forward, m, type(m).forward, chunks)
+            m.forward = functools.partial(_ghost_forward, m, chunks)
     return model
 
 
-def _ghost_forward(bn, forward, chunks, x):
+def _ghost_forward(bn, chunks, *inputs):
+    """inputs: x, and the residual where set-up gave the BatchNorm a block's residual add
+    (trainer/norm.py), whose class (and so forward) set-up swaps after this hook."""
+    forward = type(bn).forward
     if not bn.training:
-        return forward(bn, x)
-    return torch.cat([forward(bn, part) for part in x.chunk(chunks)])
+        return forward(bn, *inputs)
+    return torch.cat([forward(bn, *parts) for parts in zip(*(t.chunk(chunks) for t in inputs))])
 
 
 # -- without processes ---------------------------------------------------------------------------

@@ -450,11 +450,39 @@ def test_batch_norm_backward(dtype, shape, relu, gradient_tiles, monkeypatch):
         assert rel_err(got[1], truth("batch_norm_backward", *args[:-1], False)[1]) > 0.1
 
 
-def test_a_resnet_with_the_batch_norm_kernels_keeps_its_forward_and_gradients():
-    """BatchNorms with the kernels' statistics and backward, and the ReLUs folded into them
-    (torchvision's Bottleneck, BasicBlock and stem, the CIFAR ResNet's block), computed in
-    float64 by the torch reference: the logits, every gradient, the running statistics and
-    the evaluation output of the unchanged models."""
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF])
+@pytest.mark.parametrize("shape", BN_SHAPES)
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("residual", [False, True])
+def test_batch_norm_apply(dtype, shape, relu, residual):
+    """The normalization, with a residual added and a ReLU after it or not, against float64
+    from inputs in either layout: channels-last out, rounded once to x's type, a NaN kept
+    through the ReLU as torch.relu keeps it."""
+    c = shape[1]
+    x = rand(*shape, dtype=dtype)
+    mean, var = batch_stats(x)
+    x[0, 0, 0, 0] = float("nan")
+    res = rand(*shape, seed=1, dtype=dtype).to(memory_format=torch.channels_last) if residual else None
+    args = (mean.float(), torch.rsqrt(var + 1e-5).float(), rand(c, seed=2).abs() + 0.5, rand(c, seed=3), res, relu)
+    for layout in (torch.channels_last, torch.contiguous_format):
+        got = triton_ops.batch_norm_apply(x.contiguous(memory_format=layout), *args)
+        want = truth("batch_norm_apply", x, *args)
+        assert got.dtype == dtype and got.is_contiguous(memory_format=torch.channels_last)
+        assert got[0, 0, 0, 0].isnan() and want[0, 0, 0, 0].isnan()
+        got, want = got.double().flatten()[1:], want.flatten()[1:]
+        tolerance = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+        torch.testing.assert_close(got, want.to(dtype).double(), rtol=tolerance, atol=tolerance)
+        if relu:
+            assert (got >= 0).all() and (got == 0).float().mean() > 0.2
+
+
+@pytest.mark.parametrize("normalize", [False, True], ids=["compiled-form", "eager"])
+def test_a_resnet_with_the_batch_norm_kernels_keeps_its_forward_and_gradients(normalize):
+    """BatchNorms with the kernels' statistics and backward, and the ReLUs and residual adds
+    folded into them (torchvision's Bottleneck, BasicBlock and stem, the CIFAR ResNet's
+    block), computed in float64 by the torch reference: the logits, every gradient, the
+    running statistics and the evaluation output of the unchanged models; the normalization
+    in torch ops (what inductor compiles) or the kernels' (eager training's)."""
     import copy
 
     import torchvision
@@ -467,9 +495,9 @@ def test_a_resnet_with_the_batch_norm_kernels_keeps_its_forward_and_gradients():
                          (torchvision.models.resnet18(num_classes=10), 20), (CifarResNet(8, 8, 10), 9)):
         plain = model.to(DEVICE, torch.float64)
         swapped = copy.deepcopy(plain)
-        assert use_batch_norm_kernels(swapped, reference) == count
+        assert use_batch_norm_kernels(swapped, reference, normalize) == count
         fused = [m for m in swapped.modules() if type(m) is BatchNorm2d and m.relu]
-        assert len(fused) == {53: 33, 20: 9, 9: 3}[count]
+        assert len(fused) == {53: 49, 20: 17, 9: 6}[count]
         outs = []
         for m in (plain, swapped):
             outs.append(m(x))

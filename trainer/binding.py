@@ -101,13 +101,14 @@ class PaddedInputConv2d(nn.Conv2d):
 
 class FoldedForward:
     """A BatchNorm folded for evaluation: x * scale + bias, from the W_EQ regions, then the
-    ReLU that a BatchNorm of trainer.norm applies after it."""
+    residual add and the ReLU that a BatchNorm of trainer.norm applies after it."""
 
     def __init__(self, scale: torch.Tensor, bias: torch.Tensor, relu: bool):
         self.scale, self.bias, self.relu = scale.view(1, -1, 1, 1), bias.view(1, -1, 1, 1), relu
 
-    def __call__(self, x):
+    def __call__(self, x, residual=None):
         y = torch.addcmul(self.bias.to(x.dtype), x, self.scale.to(x.dtype))
+        y = y if residual is None else y + residual
         return torch.relu(y) if self.relu else y
 
 

@@ -1,11 +1,12 @@
 """BatchNorm whose statistics and backward come from the run's kernels, with the ReLU that
-follows it in a ResNet block folded in. Under compile=true inductor compiles BatchNorm's
-channel reductions (the statistics, and backward's sums) at about half the device's
-bandwidth; the kernels' passes come closer to it (up to 1.9x faster at ResNet-50's
-shapes), and backward finds the ReLU's mask again from the BatchNorm input it keeps
-anyway. The normalization itself stays
-plain torch, so that inductor fuses it with the ReLU and residual add around it
-(docs/BENCHMARKS.md, "Session I")."""
+follows it in a ResNet block, and the block's residual add, folded in. Under compile=true
+inductor compiles BatchNorm's channel reductions (the statistics, and backward's sums) at
+about half the device's bandwidth; the kernels' passes come closer to it (up to 1.9x
+faster at ResNet-50's shapes), and backward finds the ReLU's mask again from the
+BatchNorm input it keeps anyway. There the normalization stays plain torch, so that
+inductor fuses it with the ReLU and residual add around it (docs/BENCHMARKS.md, "Session
+I"). Without compile the Triton kernels normalize, add and apply the ReLU in one pass,
+where ATen's BatchNorm, add and ReLU take three."""
 import torch
 import torchvision
 from torch import nn
@@ -34,65 +35,95 @@ class _BatchNorm(torch.autograd.Function):
         return grad_x, grad_weight.to(weight.dtype), grad_bias.to(bias.dtype), None, None, None, None
 
 
+class _NormalizedBatchNorm(torch.autograd.Function):
+    """Eager training's BatchNorm: the normalization, the residual add and the ReLU in one
+    pass of the kernels' batch_norm_apply. Backward finds the ReLU's mask again from x,
+    or, after a residual add, from the output, which the next layer keeps anyway."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, mean, invstd, residual, relu, kernels):
+        y = kernels.batch_norm_apply(x, mean, invstd, weight, bias, residual, relu)
+        ctx.save_for_backward(x, weight, bias, mean, invstd, y if residual is not None and relu else None)
+        ctx.relu, ctx.backward = relu, kernels.batch_norm_backward
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, bias, mean, invstd, y = ctx.saved_tensors
+        if y is not None:
+            grad_out = torch.ops.aten.threshold_backward(grad_out, y, 0)
+        grad_x, grad_weight, grad_bias = ctx.backward(grad_out, x, mean, invstd, weight, bias, ctx.relu and y is None)
+        return (grad_x, grad_weight.to(weight.dtype), grad_bias.to(bias.dtype), None, None,
+                grad_out if ctx.needs_input_grad[5] else None, None, None)
+
+
 class BatchNorm2d(nn.BatchNorm2d):
-    """nn.BatchNorm2d (affine, running statistics with a momentum), then a ReLU when
-    `self.relu`. In training the statistics (and the running statistics' update) are
-    `self.stats_kernel`'s and backward is `self.backward_kernel`; in evaluation it is
-    nn.BatchNorm2d's."""
+    """nn.BatchNorm2d (affine, running statistics with a momentum), plus a residual where
+    one is given, then a ReLU when `self.relu`. In training the statistics (and the running
+    statistics' update) are `self.kernels`'s and so is backward; the normalization is
+    theirs too when `self.normalize` (eager training), else torch ops for inductor to fuse
+    with what is around them. In evaluation it is nn.BatchNorm2d's."""
     relu = False
 
-    def forward(self, x):
+    def forward(self, x, residual=None):
         if not self.training:
             y = super().forward(x)
+            y = y if residual is None else y + residual
             return torch.relu(y) if self.relu else y
         if x.numel() <= x.shape[1]:  # as batch_norm refuses it: the unbiased variance divides by count - 1
             raise ValueError(f"BatchNorm in training needs more than 1 value per channel, got input of shape "
                              f"{list(x.shape)}")
         # the kernel also moves the running statistics, as batch_norm does; nothing here needs grad
-        mean, invstd = self.stats_kernel(x.detach(), self.running_statistics, self.momentum, self.eps)
+        mean, invstd = self.kernels.batch_norm_stats_(x.detach(), self.running_statistics, self.momentum, self.eps)
         if self.num_batches_tracked is not None:  # the trainer's binding drops it: the step counts
             self.num_batches_tracked.add_(1)
-        return _BatchNorm.apply(x, self.weight, self.bias, mean, invstd, self.relu, self.backward_kernel)
+        if self.normalize:
+            return _NormalizedBatchNorm.apply(x, self.weight, self.bias, mean, invstd, residual, self.relu,
+                                              self.kernels)
+        if residual is None:
+            return _BatchNorm.apply(x, self.weight, self.bias, mean, invstd, self.relu, self.kernels.batch_norm_backward)
+        y = _BatchNorm.apply(x, self.weight, self.bias, mean, invstd, False, self.kernels.batch_norm_backward) + residual
+        return torch.relu(y) if self.relu else y
 
 
 class Bottleneck(torchvision.models.resnet.Bottleneck):
-    """torchvision's, with bn1 and bn2 applying the ReLU after them."""
+    """torchvision's, with each BatchNorm applying the ReLU after it, and bn3 the residual add."""
 
     def forward(self, x):
-        out = self.bn3(self.conv3(self.bn2(self.conv2(self.bn1(self.conv1(x))))))
-        return self.relu(out + (x if self.downsample is None else self.downsample(x)))
+        out = self.conv3(self.bn2(self.conv2(self.bn1(self.conv1(x)))))
+        return self.bn3(out, x if self.downsample is None else self.downsample(x))
 
 
 class BasicBlock(torchvision.models.resnet.BasicBlock):
-    """torchvision's, with bn1 applying the ReLU after it."""
+    """torchvision's, with each BatchNorm applying the ReLU after it, and bn2 the residual add."""
 
     def forward(self, x):
-        out = self.bn2(self.conv2(self.bn1(self.conv1(x))))
-        return self.relu(out + (x if self.downsample is None else self.downsample(x)))
+        return self.bn2(self.conv2(self.bn1(self.conv1(x))), x if self.downsample is None else self.downsample(x))
 
 
 class CifarBlock(models.BasicBlock):
-    """The CIFAR ResNet's block, with bn1 applying the ReLU after it."""
+    """The CIFAR ResNet's block, with each BatchNorm applying the ReLU after it, and bn2 the
+    residual add."""
 
     def forward(self, x):
-        return torch.relu(self.bn2(self.conv2(self.bn1(self.conv1(x)))) + self.shortcut(x))
+        return self.bn2(self.conv2(self.bn1(self.conv1(x))), self.shortcut(x))
 
 
-# block class -> (its fused twin, the BatchNorms whose ReLU the twin leaves to them)
-_FUSED = {torchvision.models.resnet.Bottleneck: (Bottleneck, ("bn1", "bn2")),
-          torchvision.models.resnet.BasicBlock: (BasicBlock, ("bn1",)),
-          models.BasicBlock: (CifarBlock, ("bn1",))}
+# block class -> (its fused twin, the BatchNorms whose ReLU (and residual add) the twin leaves to them)
+_FUSED = {torchvision.models.resnet.Bottleneck: (Bottleneck, ("bn1", "bn2", "bn3")),
+          torchvision.models.resnet.BasicBlock: (BasicBlock, ("bn1", "bn2")),
+          models.BasicBlock: (CifarBlock, ("bn1", "bn2"))}
 
 
-def use_batch_norm_kernels(model: nn.Module, kernels) -> int:
-    """Give the model's nn.BatchNorm2d modules the kernels' statistics and backward, and fold
-    each ReLU that a ResNet block (or torchvision's stem) applies right after one into it.
-    Returns how many BatchNorms."""
+def use_batch_norm_kernels(model: nn.Module, kernels, normalize: bool = False) -> int:
+    """Give the model's nn.BatchNorm2d modules the kernels' statistics and backward, and
+    with `normalize` their normalization too (for eager training: without inductor to fuse
+    it); fold each ReLU that a ResNet block (or torchvision's stem) applies right after one,
+    and each block's residual add, into it. Returns how many BatchNorms."""
     swapped = 0
     for m in model.modules():
         if type(m) is nn.BatchNorm2d and m.affine and m.track_running_stats and m.momentum is not None:
-            m.__class__, m.stats_kernel, m.backward_kernel = BatchNorm2d, kernels.batch_norm_stats_, \
-                kernels.batch_norm_backward
+            m.__class__, m.kernels, m.normalize = BatchNorm2d, kernels, normalize
             swapped += 1
             m.running_statistics = running_statistics(m)
     for m in model.modules():

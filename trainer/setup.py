@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from kernels import load as load_kernels
+from kernels import reference
 from trainer.arena import Arena
 from trainer.binding import bind
 from trainer.compile_cache import use_compile_cache, use_torch_ptxas
@@ -138,9 +139,11 @@ def assemble(cfg: TrainConfig, device: torch.device, world: int = 1,
     h = hyperparameters(cfg.optimizer, t.batch_size * world)
     kernels = load_kernels(cfg.kernels, device)
     use_max_pool_kernel(model, kernels)
-    if cfg.compile:  # without inductor to fuse the normalization, ATen's BatchNorm is faster
+    # Inductor fuses the normalization with what is around it; without it the Triton kernels
+    # do, while the reference's torch form (the CPU's) is slower than ATen's BatchNorm
+    if cfg.compile or kernels is not reference:
         from trainer.norm import use_batch_norm_kernels  # imports torchvision, slow: only here
-        use_batch_norm_kernels(model, kernels)
+        use_batch_norm_kernels(model, kernels, normalize=not cfg.compile)
     ops = RangeOps(plans.main, arena, kernels, bias_lr_scale=cfg.optimizer.bias_lr_scale,
                    ema_every=t.ema_every, ema_warmup_power=t.ema_warmup_power, lookahead=t.lookahead,
                    growth_interval=t.grad_scale_growth_interval, dynamic_scale=cfg.amp_dtype == "fp16",
