@@ -640,7 +640,10 @@ def test_set_up_gives_the_stem_pool_the_kernels_backward():
     assert [(t.dtype, t.shape) for t in y.grad_fn.saved_tensors] == [(torch.int8, (2 * 8 * 8, 64))]
 
 
-@pytest.mark.parametrize("compile_, kernels", [(False, "torch"), (True, "torch"), (False, "triton")])
+@pytest.mark.parametrize("compile_, kernels", [
+    (False, "torch"), (True, "torch"),
+    pytest.param(False, "triton", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter "
+                                                           "serves the CPU; on a GPU tests/test_gpu.py runs them"))])
 def test_set_up_gives_batch_norm_the_kernels_where_they_are_faster(compile_, kernels, monkeypatch):
     """With inductor to fuse the normalization, BatchNorm's statistics and backward come
     from the run's kernels and the blocks' ReLUs and residual adds are folded into their
