@@ -154,7 +154,10 @@ class TrainConfig:
     # the same bits in every run of a configuration, and a resumed run the bits of an
     # uninterrupted one, on a GPU too: deterministic kernels only (trainer/setup.py)
     deterministic: bool = False
-    kernels: str = "auto"  # auto | torch | triton: implementation of the range ops
+    # auto | torch | triton: implementation of the range ops and the model ops (max-pool,
+    # BatchNorm); triton (auto's choice on a GPU) also normalizes a ResNet's BatchNorms
+    # with their residual add and ReLU in one pass without compile, torch keeps ATen's
+    kernels: str = "auto"
     compile: bool = False  # run inductor on forward and backward inside the captured step
     # inductor settings for compile=true, over INDUCTOR_DEFAULTS, e.g.
     # +compile_options.coordinate_descent_tuning=false for a shorter first compile
