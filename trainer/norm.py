@@ -80,10 +80,12 @@ class BatchNorm2d(nn.BatchNorm2d):
         if self.normalize:
             return _NormalizedBatchNorm.apply(x, self.weight, self.bias, mean, invstd, residual, self.relu,
                                               self.kernels)
+        # backward finds the ReLU's mask again from x only where no residual add comes before it
+        y = _BatchNorm.apply(x, self.weight, self.bias, mean, invstd, self.relu and residual is None,
+                             self.kernels.batch_norm_backward)
         if residual is None:
-            return _BatchNorm.apply(x, self.weight, self.bias, mean, invstd, self.relu, self.kernels.batch_norm_backward)
-        y = _BatchNorm.apply(x, self.weight, self.bias, mean, invstd, False, self.kernels.batch_norm_backward) + residual
-        return torch.relu(y) if self.relu else y
+            return y
+        return torch.relu(y + residual) if self.relu else y + residual
 
 
 class Bottleneck(torchvision.models.resnet.Bottleneck):
