@@ -511,6 +511,38 @@ def test_a_resnet_with_the_batch_norm_kernels_keeps_its_forward_and_gradients(no
         torch.testing.assert_close(swapped(x), plain(x), rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.skipif(ON_GPU, reason="on a GPU tests/test_gpu.py compares the steps")
+def test_a_resnet_steps_with_the_triton_batch_norm_as_with_atens():
+    """Without compile the Triton kernels (Triton's interpreter here) normalize a ResNet's
+    BatchNorms, add the residual and apply the ReLU, in the trainer's step; from one state
+    and batch, that step gives kernels=torch's (ATen's BatchNorm): every gradient and
+    moment, the running statistics. Only one step: a ReLU mask that flips at a rounding
+    difference moves the next steps' gradients of a network this small by up to a percent."""
+    from trainer.config import compose_config
+    from trainer.regions import FAMILY
+    from trainer.regions import Region as R
+    from trainer.setup import assemble
+    engines = [assemble(compose_config(["data.train_size=512", "data.val_size=128", "trainer.batch_size=32", "device=cpu",
+                                        f"kernels={kernels}", "optimizer=momentum", "model=cifar_resnet20_narrow",
+                                        "data.resolution=8"]), torch.device("cpu"))
+               for kernels in ("torch", "triton")]
+    assert engines[1].model.layers[0].bn2.normalize and not hasattr(engines[0].model.layers[0].bn2, "normalize")
+    batch = torch.Generator().manual_seed(0)
+    x = torch.randn(engines[0].programs["train_base", "A"].x.shape, generator=batch)
+    y = torch.randint(0, 10, (32,), generator=batch)
+    engines[1].arena.storage.copy_(engines[0].arena.storage)
+    for engine in engines:
+        program = engine.programs["train_base", "A"]
+        program.x.copy_(x)
+        program.y.copy_(y)
+        program()
+    plan = engines[0].plans.main
+    for r in (*FAMILY["G"].values(), *FAMILY["M"].values(), R.B_NEXT_MEAN, R.B_NEXT_VAR):
+        if plan.config.enabled(r) and plan.region_bytes(r):
+            a, b = (engine.arena.flat(r, r).view(torch.float32) for engine in engines)
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6, msg=r.name)
+
+
 def test_a_compiled_model_with_the_triton_batch_norm_moves_its_running_statistics():
     """Under compile the statistics kernel is a custom op that updates the running
     statistics in place: after two training steps of a compiled CIFAR ResNet with the
