@@ -234,3 +234,19 @@ def batch_norm_backward(grad_out, x, mean, invstd, weight, bias, relu: bool):
     grad_bias, grad_weight = g.sum((0, 2, 3)), (g * xhat).sum((0, 2, 3))
     grad_x = scale * (g - (grad_bias.view(shape) + xhat * grad_weight.view(shape)) / count)
     return grad_x.to(x.dtype), grad_weight, grad_bias
+
+
+def batch_norm_block_backward(grad_out, grad_shortcut, y, x, mean, invstd, weight, bias, relu: bool):
+    """batch_norm_backward for eager training's BatchNorm in a ResNet block (trainer.norm),
+    whose output's gradient may come in two parts: grad_out, and grad_shortcut where the
+    next block's identity shortcut hands its gradient back (or None), added in their type
+    as autograd adds two gradients; and whose ReLU, where it follows the block's residual
+    add, takes its mask from the output y as threshold_backward does (zero where y <= 0,
+    NaN passes). Returns batch_norm_backward's gradients and, fourth, the gradient at the
+    residual add, which is the residual's: None where the ReLU comes right after the
+    BatchNorm (relu and y is None), so that there is no add."""
+    g = grad_out if grad_shortcut is None else grad_out + grad_shortcut
+    if y is not None:
+        g = torch.ops.aten.threshold_backward(g, y, 0)
+    grad_x, grad_weight, grad_bias = batch_norm_backward(g, x, mean, invstd, weight, bias, relu and y is None)
+    return grad_x, grad_weight, grad_bias, None if relu and y is None else g

@@ -498,15 +498,18 @@ BN_NORMALIZE = BN_GRADIENT
 
 
 @triton.jit
-def _bn_reduce_kernel(x_ptr, g_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, part_ptr, count_ptr, out1_ptr, out2_ptr,
-                      M, C, rows, stretches, momentum, eps, BACKWARD: tl.constexpr, RELU: tl.constexpr,
-                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr):
+def _bn_reduce_kernel(x_ptr, g_ptr, more_ptr, y_ptr, dz_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, part_ptr, count_ptr,
+                      out1_ptr, out2_ptr, M, C, rows, stretches, momentum, eps, BACKWARD: tl.constexpr,
+                      RELU: tl.constexpr, MORE: tl.constexpr, Y_MASK: tl.constexpr, BLOCK_R: tl.constexpr,
+                      BLOCK_C: tl.constexpr, STAGES: tl.constexpr):
     """Per channel, over the rows. Forward: the sums of x - x[0] and of its square (shifted
     by the first row, against cancellation), finished as the mean and the inverse standard
     deviation, and the running mean and variance (at mean_ptr and invstd_ptr) moved toward
-    the batch's by momentum. Backward: the sums of dz and of dz * (x - mean), dz being
-    grad_out where the ReLU (when RELU) passed it, finished as the bias's and the weight's
-    gradients."""
+    the batch's by momentum. Backward: the sums of dz and of dz * (x - mean), finished as
+    the bias's and the weight's gradients; dz is grad_out (plus the gradient at more_ptr
+    when MORE, rounded to grad_out's type as autograd adds two) where the ReLU passed it:
+    by the output at y_ptr when Y_MASK (a ReLU after a residual add), else by x when RELU.
+    With MORE or Y_MASK, dz is stored at dz_ptr, for the gradient pass and the residual."""
     s, cb = tl.program_id(0), tl.program_id(1)
     c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     live = c < C
@@ -529,8 +532,15 @@ def _bn_reduce_kernel(x_ptr, g_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, part_ptr
         xc = tl.where(mask, x - center[None, :], 0.0)
         if BACKWARD:
             g = tl.load(g_ptr + offs, mask, other=0.0).to(tl.float32)
-            if RELU:
+            if MORE:
+                g = (g + tl.load(more_ptr + offs, mask, other=0.0).to(tl.float32)).to(g_ptr.dtype.element_ty)
+                g = g.to(tl.float32)
+            if Y_MASK:  # as threshold_backward: NaN passes
+                g = tl.where(tl.load(y_ptr + offs, mask, other=0.0) <= 0, 0.0, g)
+            elif RELU:
                 g = tl.where(x * scale[None, :] + shift[None, :] > 0, g, 0.0)
+            if MORE or Y_MASK:
+                tl.store(dz_ptr + offs, g.to(dz_ptr.dtype.element_ty), mask)
             acc1 += g
             acc2 += g * xc
         else:
@@ -642,10 +652,10 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def _bn_reduce(x_rows, g_rows, mean, invstd, weight, bias, out1, out2, relu: bool, backward: bool,
-               momentum: float = 0.0, eps: float = 0.0):
+               momentum: float = 0.0, eps: float = 0.0, more_rows=None, y_rows=None, dz_rows=None):
     """One launch of _bn_reduce_kernel, each program over a stretch of whole tiles. The
     forward pass passes the running mean and variance as mean and invstd, and None for what
-    only backward reads."""
+    only backward reads; backward passes dz_rows where it has more_rows or y_rows."""
     m, c = x_rows.shape
     tiles = BN_SUMS if backward else BN_STATS
     block_r, block_c, stretches, blocks = tiles.grid(x_rows)
@@ -653,9 +663,11 @@ def _bn_reduce(x_rows, g_rows, mean, invstd, weight, bias, out1, out2, relu: boo
     stretches = triton.cdiv(m, rows)
     part = torch.empty((stretches, 2, c), dtype=torch.float32, device=x_rows.device)
     count = _counters(x_rows.device, blocks)
-    _bn_reduce_kernel[(stretches, blocks)](x_rows, _or(g_rows, x_rows), mean, invstd, *(_or(t, out1) for t in (weight, bias)),
+    _bn_reduce_kernel[(stretches, blocks)](x_rows, *(_or(t, x_rows) for t in (g_rows, more_rows, y_rows, dz_rows)),
+                                           mean, invstd, *(_or(t, out1) for t in (weight, bias)),
                                            part, count, out1, out2, m, c, rows, stretches, momentum, eps,
-                                           BACKWARD=backward, RELU=relu, BLOCK_R=block_r, BLOCK_C=block_c,
+                                           BACKWARD=backward, RELU=relu, MORE=more_rows is not None,
+                                           Y_MASK=y_rows is not None, BLOCK_R=block_r, BLOCK_C=block_c,
                                            STAGES=tiles.stages, num_warps=tiles.warps)
 
 
@@ -701,18 +713,35 @@ def batch_norm_backward(grad_out: torch.Tensor, x: torch.Tensor, mean: torch.Ten
     """kernels.reference.batch_norm_backward in two passes over x and grad_out: the sums,
     then the input's gradient. A custom op, so that inductor calls it as it is inside a
     compiled backward."""
+    return _backward(grad_out, None, None, x, mean, invstd, weight, bias, relu)[:3]
+
+
+def batch_norm_block_backward(grad_out, grad_shortcut, y, x, mean, invstd, weight, bias, relu: bool):
+    """kernels.reference.batch_norm_block_backward in batch_norm_backward's two passes: the
+    first adds grad_shortcut, applies y's mask and keeps the result, which the second reads
+    in place of grad_out; where there is nothing to add or mask, batch_norm_backward's."""
+    grad_x, grad_weight, grad_bias, grad_z = _backward(grad_out, grad_shortcut, y, x, mean, invstd, weight, bias, relu)
+    return grad_x, grad_weight, grad_bias, None if relu and y is None else grad_z
+
+
+def _backward(grad_out, grad_shortcut, y, x, mean, invstd, weight, bias, relu: bool):
     x_rows, g_rows = _rows(x), _rows(grad_out)
     grad_x = torch.empty_like(x, memory_format=torch.channels_last)
     grad_weight = torch.empty(x.shape[1], dtype=torch.float32, device=x.device)
     grad_bias = torch.empty_like(grad_weight)
     weight, bias = weight.float().contiguous(), bias.float().contiguous()
-    _bn_reduce(x_rows, g_rows, mean, invstd, weight, bias, grad_bias, grad_weight, relu=relu, backward=True)
+    kept = grad_shortcut is not None or y is not None  # the first pass stores dz
+    grad_z = torch.empty_like(grad_out, memory_format=torch.channels_last) if kept else grad_out
+    z_rows = _rows(grad_z) if kept else g_rows
+    _bn_reduce(x_rows, g_rows, mean, invstd, weight, bias, grad_bias, grad_weight, relu=relu and y is None,
+               backward=True, more_rows=None if grad_shortcut is None else _rows(grad_shortcut),
+               y_rows=None if y is None else _rows(y), dz_rows=z_rows if kept else None)
     block_r, block_c, programs, blocks = BN_GRADIENT.grid(x_rows)
     _bn_backward_apply_kernel[(programs, blocks)](
-        x_rows, g_rows, _rows(grad_x), mean, invstd, weight, bias, grad_bias, grad_weight, len(x_rows),
-        x.shape[1], RELU=relu, BLOCK_R=block_r, BLOCK_C=block_c, STAGES=BN_GRADIENT.stages,
+        x_rows, z_rows, _rows(grad_x), mean, invstd, weight, bias, grad_bias, grad_weight, len(x_rows),
+        x.shape[1], RELU=relu and not kept, BLOCK_R=block_r, BLOCK_C=block_c, STAGES=BN_GRADIENT.stages,
         num_warps=BN_GRADIENT.warps)
-    return grad_x, grad_weight, grad_bias
+    return grad_x, grad_weight, grad_bias, grad_z
 
 
 @batch_norm_backward.register_fake

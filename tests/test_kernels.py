@@ -452,6 +452,72 @@ def test_batch_norm_backward(dtype, shape, relu, gradient_tiles, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF])
 @pytest.mark.parametrize("shape", BN_SHAPES)
+@pytest.mark.parametrize("shortcut", [False, True])
+@pytest.mark.parametrize("relu", ["none", "x", "y"], ids=["no-relu", "relu", "relu-after-add"])
+def test_batch_norm_block_backward(dtype, shape, shortcut, relu):
+    """The block BatchNorm's backward against float64: grad_out plus the gradient a later
+    shortcut hands back (in their type, as autograd adds them), masked by the output after a
+    residual add or by x; the input's and parameters' gradients, and the residual's (None
+    where the ReLU comes right after the BatchNorm)."""
+    c = shape[1]
+    x = rand(*shape, dtype=dtype).to(memory_format=torch.channels_last)
+    grad_out = rand(*shape, seed=1, dtype=dtype).to(memory_format=torch.channels_last)
+    more = rand(*shape, seed=4, dtype=dtype).to(memory_format=torch.channels_last) if shortcut else None
+    y = rand(*shape, seed=5, dtype=dtype).to(memory_format=torch.channels_last) if relu == "y" else None
+    mean, var = batch_stats(x)
+    args = (grad_out, more, y, x, mean.float(), torch.rsqrt(var + 1e-5).float(), rand(c, seed=2).abs() + 0.5,
+            rand(c, seed=3) * 0.1, relu != "none")
+    got = triton_ops.batch_norm_block_backward(*args)
+    # the two gradients' sum in their type, as autograd adds them; the rest in float64
+    want = truth("batch_norm_block_backward", grad_out if more is None else grad_out + more, None, *args[2:])
+    assert (got[3] is None) == (want[3] is None) == (relu == "x")
+    # Triton's interpreter rounds to bfloat16 toward zero, one bit off a GPU's rounding
+    tolerance = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2 if ON_GPU else 2e-2}[dtype]
+    for g, w in zip(got, want):
+        if w is not None:
+            assert g.dtype == (dtype if g.dim() == 4 else torch.float32) and rel_err(g, w) < tolerance
+    if relu == "y":  # the output's mask, not x's
+        assert rel_err(got[1], truth("batch_norm_block_backward", *args[:2], None, *args[3:])[1]) > 0.1
+    if shortcut:
+        assert rel_err(got[2], truth("batch_norm_block_backward", args[0], None, *args[2:])[2]) > 0.1
+
+
+def test_a_block_hands_its_identity_shortcuts_gradient_to_the_batch_norm_before_it():
+    """Eager training (the Triton kernels, Triton's interpreter here): a ResNet-18 with the
+    CIFAR stem, whose every block with an identity shortcut reads a BatchNorm's output,
+    runs its backward with no ReLU mask and no add of its own but at the three blocks
+    that downsample (their input's two convolutions), and gets the plain model's gradients."""
+    import copy
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from trainer.models import build_model
+    from trainer.norm import use_batch_norm_kernels
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    plain = build_model("resnet18", 10, stem="cifar").to(DEVICE)
+    swapped = copy.deepcopy(plain)
+    use_batch_norm_kernels(swapped, triton_ops, normalize=True)
+    x = rand(4, 3, 16, 16)
+    for model in (plain, swapped):
+        seen = []
+        with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):  # TF32 convolutions differ by 1e-4 and more
+            loss = model(x).square().sum()
+            with Ops():
+                loss.backward()
+    assert torch.ops.aten.threshold_backward.default not in seen
+    assert seen.count(torch.ops.aten.add.Tensor) == 3
+    for (name, p), q in zip(plain.named_parameters(), swapped.parameters()):
+        assert rel_err(q.grad, p.grad) < 1e-4, name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF])
+@pytest.mark.parametrize("shape", BN_SHAPES)
 @pytest.mark.parametrize("relu", [False, True])
 @pytest.mark.parametrize("residual", [False, True])
 def test_batch_norm_apply(dtype, shape, relu, residual):

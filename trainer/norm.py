@@ -38,23 +38,34 @@ class _BatchNorm(torch.autograd.Function):
 class _NormalizedBatchNorm(torch.autograd.Function):
     """Eager training's BatchNorm: the normalization, the residual add and the ReLU in one
     pass of the kernels' batch_norm_apply. Backward finds the ReLU's mask again from x,
-    or, after a residual add, from the output, which the next layer keeps anyway."""
+    or, after a residual add, from the output, which the next layer keeps anyway.
+
+    A block whose shortcut is the identity adds its input, the output of the BatchNorm
+    that ends the block before it, as its residual; that input's gradient is the sum of
+    the residual's and the block's first convolution's. Autograd would add the two in a
+    pass of its own, and mask the sum in another: here the residual comes detached, and
+    its gradient goes to that BatchNorm's backward node (`source`), whose first pass adds
+    it to grad_out, masks the sum and keeps it. The node's backward runs after this one:
+    it waits for the first convolution's gradient, which comes after this BatchNorm's."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, mean, invstd, residual, relu, kernels):
+    def forward(ctx, x, weight, bias, mean, invstd, residual, relu, kernels, source):
         y = kernels.batch_norm_apply(x, mean, invstd, weight, bias, residual, relu)
         ctx.save_for_backward(x, weight, bias, mean, invstd, y if residual is not None and relu else None)
-        ctx.relu, ctx.backward = relu, kernels.batch_norm_backward
+        ctx.relu, ctx.backward, ctx.source = relu, kernels.batch_norm_block_backward, source
+        ctx.grad_shortcut = None  # where a later block hands back its shortcut's gradient
         return y
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, bias, mean, invstd, y = ctx.saved_tensors
-        if y is not None:
-            grad_out = torch.ops.aten.threshold_backward(grad_out, y, 0)
-        grad_x, grad_weight, grad_bias = ctx.backward(grad_out, x, mean, invstd, weight, bias, ctx.relu and y is None)
+        grad_shortcut, ctx.grad_shortcut = ctx.grad_shortcut, None
+        grad_x, grad_weight, grad_bias, grad_z = ctx.backward(grad_out, grad_shortcut, y, x, mean, invstd, weight,
+                                                              bias, ctx.relu)
+        if ctx.source is not None:
+            ctx.source.grad_shortcut = grad_z if ctx.source.grad_shortcut is None else ctx.source.grad_shortcut + grad_z
         return (grad_x, grad_weight.to(weight.dtype), grad_bias.to(bias.dtype), None, None,
-                grad_out if ctx.needs_input_grad[5] else None, None, None)
+                grad_z if ctx.needs_input_grad[5] else None, None, None, None)
 
 
 class BatchNorm2d(nn.BatchNorm2d):
@@ -62,8 +73,9 @@ class BatchNorm2d(nn.BatchNorm2d):
     one is given, then a ReLU when `self.relu`. In training the statistics (and the running
     statistics' update) are `self.kernels`'s and so is backward; the normalization is
     theirs too when `self.normalize` (eager training), else torch ops for inductor to fuse
-    with what is around them. In evaluation it is nn.BatchNorm2d's."""
-    relu = False
+    with what is around them. In evaluation it is nn.BatchNorm2d's. `identity_shortcut`:
+    the residual is the block's input, which the block's first convolution reads too."""
+    relu = identity_shortcut = False
 
     def forward(self, x, residual=None):
         if not self.training:
@@ -78,8 +90,13 @@ class BatchNorm2d(nn.BatchNorm2d):
         if self.num_batches_tracked is not None:  # the trainer's binding drops it: the step counts
             self.num_batches_tracked.add_(1)
         if self.normalize:
+            source = residual.grad_fn if self.identity_shortcut and residual is not None else None
+            if isinstance(source, _NormalizedBatchNorm._backward_cls):
+                residual = residual.detach()  # its gradient goes to source (_NormalizedBatchNorm says why)
+            else:
+                source = None
             return _NormalizedBatchNorm.apply(x, self.weight, self.bias, mean, invstd, residual, self.relu,
-                                              self.kernels)
+                                              self.kernels, source)
         # backward finds the ReLU's mask again from x only where no residual add comes before it
         y = _BatchNorm.apply(x, self.weight, self.bias, mean, invstd, self.relu and residual is None,
                              self.kernels.batch_norm_backward)
@@ -134,6 +151,9 @@ def use_batch_norm_kernels(model: nn.Module, kernels, normalize: bool = False) -
             m.__class__ = twin
             for n in norms:
                 getattr(m, n).relu = True
+            # torchvision's blocks have a downsample or None, the CIFAR block a shortcut, empty or not
+            getattr(m, norms[-1]).identity_shortcut = getattr(m, "downsample", None) is None and not len(
+                getattr(m, "shortcut", ()))
     if type(model) is torchvision.models.ResNet and type(model.bn1) is BatchNorm2d and type(model.relu) is nn.ReLU:
         model.bn1.relu, model.relu = True, nn.Identity()
     return swapped
