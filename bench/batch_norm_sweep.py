@@ -4,10 +4,11 @@ CUDA graph: the kernels of kernels/triton_ops at every tile configuration of a s
 with --inductor, inductor's compiled statistics and backward (what compile=true ran before
 trainer.norm).
 
-    python bench/batch_norm_sweep.py [--batch N] [--inductor]
+    python bench/batch_norm_sweep.py [--batch N] [--inductor] [--passes statistics,sums,gradient,normalize]
 
-All three passes (the statistics; backward's sums; its gradient) are swept over the
-same configurations. Prints, per shape, each configuration's ms, then the network's
+Each pass (the statistics; backward's sums; its gradient; eager training's
+normalization, timed with a residual add and the ReLU, as a block's last BatchNorm runs
+it) is swept over the same configurations. Prints, per shape, each configuration's ms, then the network's
 totals per pass: now, with the best configuration for each shape, and with the best
 single one.
 """
@@ -30,7 +31,9 @@ BATCH = int(sys.argv[sys.argv.index("--batch") + 1]) if "--batch" in sys.argv el
 # configurations: every combination of (channels, elements, warps, programs per SM, stages)
 CONFIGS = [BnTiles(*t) for t in itertools.product((64, 128), (2048, 4096, 8192), (4, 8), (2, 4), (3,))]
 # pass -> the triton_ops tiles it reads
-PASSES = {"statistics": "BN_STATS", "sums": "BN_SUMS", "gradient": "BN_GRADIENT"}
+PASSES = {"statistics": "BN_STATS", "sums": "BN_SUMS", "gradient": "BN_GRADIENT", "normalize": "BN_NORMALIZE"}
+if "--passes" in sys.argv:
+    PASSES = {name: PASSES[name] for name in sys.argv[sys.argv.index("--passes") + 1].split(",")}
 
 
 def layers(c, hw, count, gen):
@@ -59,11 +62,19 @@ def backward(impl, inputs):
     return graph_ms(lambda: [impl.batch_norm_backward(*args, True) for args in inputs], calls=2)
 
 
+def normalize(inputs):
+    """ms of every layer's normalization with a residual add (grad_out stands in for it) and the ReLU."""
+    return graph_ms(lambda: [triton_ops.batch_norm_apply(x, m, s, w, b, g, True) for g, x, m, s, w, b in inputs],
+                    calls=2)
+
+
 def timed(name, inputs):
     """ms of one pass over every layer at triton_ops' tiles as they are set; the gradient
     pass is backward less its sums."""
     if name == "statistics":
         return statistics(triton_ops, inputs)
+    if name == "normalize":
+        return normalize(inputs)
     return sums(inputs) if name == "sums" else backward(triton_ops, inputs) - sums(inputs)
 
 

@@ -4,10 +4,12 @@
 # Logs go to $OUT (or ./gpu_logs). The CIFAR sections read $CIFAR (default ../shared/data/cifar10-jpeg.tgz);
 # the cifar* sections and coldsetup run +experiment=$EXP (default cifar10_speed); cifar5c and cifarprobe
 # add the overrides in $ARGS; cifar5c names its sweep cifar5$TAG. r18c, r50b64c, r50compile, r50cdt
-# firststep and compilecache add $ARGS too and name their logs with $TAG (r50p and bnsweep too):
+# firststep and compilecache add $ARGS too and name their logs with $TAG (r50p, r18p and bnsweep too):
 #   TAG=_autotune ARGS="model.cudnn_benchmark=true" bash bench/gpu_suite.sh r50b64c r50compile
 #   TAG=_freeze3 ARGS="trainer.stem_norm_freeze_epochs=3" bash bench/gpu_suite.sh cifar5c
 #   TAG=full ARGS="bench.profile_rows=400" bash bench/gpu_suite.sh r50p   # every kernel of both steps
+#   TAG=_eager ARGS="compile=false bench.baselines=[eager_bf16]" bash bench/gpu_suite.sh r50p r18p   # the uncompiled step
+#   TAG=_normalize ARGS="--passes normalize" bash bench/gpu_suite.sh bnsweep
 # firststep: bench/first_step_probe.py on ResNet-50 b256 with compile=true, on a fresh inductor cache.
 # compilecache: ours alone on ResNet-50 b256 with compile_cache: a cold run fills an empty folder, then a new machine's
 # first and second process run on a copy of it at another path.
@@ -71,7 +73,7 @@ for s in "$@"; do case $s in
   resnet18) section resnet18 560 python3 run.py -m +experiment=cifar10_resnet18 data.root=$CIFAR trainer.checkpoint_every=0 trainer.seed=0,1,2,3,4 hydra.sweep.dir=$OUT/resnet18
           python3 bench/seeds.py $OUT/resnet18;;
   memprobe) section memprobe 120 python3 bench/memory_probe.py model=resnet18_cifar data.resolution=32 amp=true trainer.batch_size=512;;
-  r18p) section r18p 200 python3 run.py mode=bench model=resnet18_cifar data.resolution=32 amp=true trainer.batch_size=512 "bench.baselines=[eager_bf16]" compile=true bench.profile=20 hydra.run.dir=$OUT/r18p;;
+  r18p) section r18p$TAG 200 python3 run.py mode=bench model=resnet18_cifar data.resolution=32 amp=true trainer.batch_size=512 "bench.baselines=[eager_bf16]" compile=true bench.profile=20 $ARGS hydra.run.dir=$OUT/r18p$TAG;;
   coldsetup) export TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)"  # cold, then fresh processes on the cache it filled
           section coldsetup 200 env TORCH_LOGS=recompiles,dynamo python3 run.py +experiment=$EXP compile=true data.root=$CIFAR hydra.run.dir=$OUT/coldsetup
           grep -E "Step 2|Recompiling" $OUT/coldsetup.log

@@ -421,6 +421,7 @@ def test_bench_profile_rows_sets_how_many_kernels_a_profile_lists():
     ("void at::native::batch_norm_backward_elemt_channels_last_kernel<4, c10::BFloat16, float, f", "ATen, cuDNN BatchNorm"),
     ("void cudnn::bn_fw_tr_1C11_singleread_spec_kernel<float, float, float, 512, true, 1, 2, 1>", "ATen, cuDNN BatchNorm"),
     ("_lars_norms_kernel", "range ops (kernels/)"), ("_bn_backward_apply_kernel", "BatchNorm (kernels/)"),
+    ("_bn_normalize_kernel", "BatchNorm (kernels/)"),
     ("void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat1", "ATen other"),
     ("[CUDA memset]", "memset, memcpy")])
 def test_a_profiled_kernel_is_counted_under_its_kind(name, kind):

@@ -159,7 +159,7 @@ def _measure(cfg: TrainConfig, method: str, step, t0: float, device) -> Result:
 # convolutions in any pass), and the project's own kernels are their functions in kernels/.
 KINDS = (("inductor reductions", "^triton_(red|per)_"), ("inductor pointwise", "^triton_poi_"),
          ("convolution forward", "fprop|first_layer"), ("convolution dgrad", "dgrad"),
-         ("convolution wgrad", "wgrad|splitKreduce"), ("BatchNorm (kernels/)", "_bn_(reduce|backward_apply)_kernel"),
+         ("convolution wgrad", "wgrad|splitKreduce"), ("BatchNorm (kernels/)", "_bn_(reduce|backward_apply|normalize)_kernel"),
          ("max-pool (kernels/)", "_max_pool(_backward)?_kernel"),
          ("range ops (kernels/)", "_(sgd|adam|lars|lars_norms|convert|ema|swap)_kernel"),
          ("input augmentation (kernels/)", "_crop_flip_normalize_kernel"),
