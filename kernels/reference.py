@@ -219,6 +219,12 @@ def batch_norm_apply(x, mean, invstd, weight, bias, residual, relu: bool):
     return (torch.relu(y) if relu else y).to(x.dtype)
 
 
+def batch_norm_max_pool(x, mean, invstd, weight, bias, kernel, stride, padding):
+    """max_pool of batch_norm_apply's output with the ReLU and no residual: the stem of an
+    ImageNet ResNet, whose normalized activation only the pool reads."""
+    return max_pool(batch_norm_apply(x, mean, invstd, weight, bias, None, True), kernel, stride, padding)
+
+
 def batch_norm_backward(grad_out, x, mean, invstd, weight, bias, relu: bool):
     """The gradients (x, weight, bias; fp32 for the two parameters) of training-mode
     BatchNorm, y = x * scale + shift with scale = weight * invstd and shift = bias - mean *
@@ -244,7 +250,8 @@ def batch_norm_block_backward(grad_out, grad_shortcut, y, x, mean, invstd, weigh
     add, takes its mask from the output y as threshold_backward does (zero where y <= 0,
     NaN passes). Returns batch_norm_backward's gradients and, fourth, the gradient at the
     residual add, which is the residual's: None where the ReLU comes right after the
-    BatchNorm (relu and y is None), so that there is no add."""
+    BatchNorm (relu and y is None), so that there is no add. The caller gives up
+    grad_shortcut: an implementation may write the result over it."""
     g = grad_out if grad_shortcut is None else grad_out + grad_shortcut
     if y is not None:
         g = torch.ops.aten.threshold_backward(g, y, 0)

@@ -350,25 +350,38 @@ def _pool_tile(n_pixels, C, POOL_PIXELS: tl.constexpr, POOL_CHANNELS: tl.constex
 
 
 @triton.jit
-def _max_pool_kernel(x_ptr, y_ptr, arg_ptr, n_out, C: tl.constexpr, H: tl.constexpr, W: tl.constexpr,
-                     OH: tl.constexpr, OW: tl.constexpr, XN: tl.constexpr, XC: tl.constexpr, XH: tl.constexpr,
-                     XW: tl.constexpr, YN: tl.constexpr, YC: tl.constexpr, YH: tl.constexpr, YW: tl.constexpr,
-                     KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
-                     PH: tl.constexpr, PW: tl.constexpr, POOL_PIXELS: tl.constexpr, POOL_CHANNELS: tl.constexpr):
+def _max_pool_kernel(x_ptr, y_ptr, arg_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, n_out, C: tl.constexpr,
+                     H: tl.constexpr, W: tl.constexpr, OH: tl.constexpr, OW: tl.constexpr, XN: tl.constexpr,
+                     XC: tl.constexpr, XH: tl.constexpr, XW: tl.constexpr, YN: tl.constexpr, YC: tl.constexpr,
+                     YH: tl.constexpr, YW: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr,
+                     SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr, NORMALIZE: tl.constexpr,
+                     POOL_PIXELS: tl.constexpr, POOL_CHANNELS: tl.constexpr):
     """Each window's maximum, and its position in the window (kh * KW + kw) as int8, at row
     n * OH * OW + oh * OW + ow and column c of the positions. The scan keeps max_pool2d's
     rule: a value replaces the best so far when greater, or NaN; the first of equal maxima
-    stays. Compared in fp32: exact for x in fp32 or narrower."""
+    stays. Compared in fp32: exact for x in fp32 or narrower. With NORMALIZE, of BatchNorm's
+    output from x and the ReLU's, each value rounded to x's type as _bn_normalize_kernel
+    stores it, so that the maxima and their positions are those of the two passes."""
     p, c, live = _pool_tile(n_out, C, POOL_PIXELS, POOL_CHANNELS)
     n, oh, ow = p // (OH * OW), (p // OW) % OH, p % OW
     base = x_ptr + n[:, None].to(tl.int64) * XN + c[None, :] * XC
     best = tl.full((POOL_PIXELS, POOL_CHANNELS), float("-inf"), tl.float32)
     arg = tl.full((POOL_PIXELS, POOL_CHANNELS), 0, tl.int32)
+    if NORMALIZE:
+        on = c < C
+        scale = tl.load(w_ptr + c, on, other=0.0) * tl.load(invstd_ptr + c, on, other=0.0)
+        shift = (tl.load(b_ptr + c, on, other=0.0) - tl.load(mean_ptr + c, on, other=0.0) * scale)[None, :]
+        scale = scale[None, :]
     for i in tl.static_range(KH):
         for j in tl.static_range(KW):
             h, w = oh * SH - PH + i, ow * SW - PW + j
             inside = live & ((h >= 0) & (h < H) & (w >= 0) & (w < W))[:, None]
-            v = tl.load(base + (h * XH + w * XW)[:, None], inside, other=float("-inf")).to(tl.float32)
+            v = tl.load(base + (h * XH + w * XW)[:, None], inside, other=float("-inf"))
+            v = v.to(tl.float32)
+            if NORMALIZE:
+                v = v * scale + shift
+                v = tl.where(v < 0, 0.0, v).to(x_ptr.dtype.element_ty).to(tl.float32)
+                v = tl.where(inside, v, float("-inf"))
             take = inside & ((v > best) | (v != v))
             best = tl.where(take, v, best)
             arg = tl.where(take, i * KW + j, arg)
@@ -425,10 +438,22 @@ def max_pool(x: torch.Tensor, kernel: list[int], stride: list[int],
     """kernels.reference.max_pool in one pass. A custom op, so that inductor calls it as it
     is: inductor's compile of the torch form was slower, alone and in the step
     (docs/BENCHMARKS.md)."""
+    return _max_pool(x, None, kernel, stride, padding)
+
+
+def batch_norm_max_pool(x, mean, invstd, weight, bias, kernel, stride, padding):
+    """kernels.reference.batch_norm_max_pool in one pass over x: the normalized activation
+    is never written, nor read back by the pool."""
+    return _max_pool(x, (mean, invstd, weight.float().contiguous(), bias.float().contiguous()), kernel, stride,
+                     padding)
+
+
+def _max_pool(x, norm, kernel, stride, padding):
     y, arg = _pooled(x, kernel, stride, padding)
     if y.numel():
         _max_pool_kernel[POOL_FORWARD.grid(*arg.shape)](
-            x, y, arg, len(arg), **_shapes(x, y), **_window(kernel, stride, padding, POOL_FORWARD))
+            x, y, arg, *(norm or (x,) * 4), len(arg), **_shapes(x, y), NORMALIZE=norm is not None,
+            **_window(kernel, stride, padding, POOL_FORWARD))
     return y, arg
 
 
@@ -719,7 +744,14 @@ def batch_norm_backward(grad_out: torch.Tensor, x: torch.Tensor, mean: torch.Ten
 def batch_norm_block_backward(grad_out, grad_shortcut, y, x, mean, invstd, weight, bias, relu: bool):
     """kernels.reference.batch_norm_block_backward in batch_norm_backward's two passes: the
     first adds grad_shortcut, applies y's mask and keeps the result, which the second reads
-    in place of grad_out; where there is nothing to add or mask, batch_norm_backward's."""
+    in place of grad_out; where there is nothing to add or mask, batch_norm_backward's.
+    The result goes over grad_shortcut (channels-last), which the caller gives up: one
+    tensor fewer alive, where backward's memory peaks."""
+    if y is not None and grad_shortcut is None and not grad_out.is_contiguous(memory_format=torch.channels_last):
+        # a broadcast gradient, as a mean-pool's backward gives: ATen masks it into a new
+        # channels-last tensor in the pass a copy would take, and that is the result to keep
+        grad_z = torch.ops.aten.threshold_backward(grad_out, y, 0)
+        return *_backward(grad_z, None, None, x, mean, invstd, weight, bias, False)[:3], grad_z
     grad_x, grad_weight, grad_bias, grad_z = _backward(grad_out, grad_shortcut, y, x, mean, invstd, weight, bias, relu)
     return grad_x, grad_weight, grad_bias, None if relu and y is None else grad_z
 
@@ -731,10 +763,13 @@ def _backward(grad_out, grad_shortcut, y, x, mean, invstd, weight, bias, relu: b
     grad_bias = torch.empty_like(grad_weight)
     weight, bias = weight.float().contiguous(), bias.float().contiguous()
     kept = grad_shortcut is not None or y is not None  # the first pass stores dz
-    grad_z = torch.empty_like(grad_out, memory_format=torch.channels_last) if kept else grad_out
+    if grad_shortcut is not None:
+        grad_z = grad_shortcut.contiguous(memory_format=torch.channels_last)
+    else:
+        grad_z = torch.empty_like(grad_out, memory_format=torch.channels_last) if kept else grad_out
     z_rows = _rows(grad_z) if kept else g_rows
     _bn_reduce(x_rows, g_rows, mean, invstd, weight, bias, grad_bias, grad_weight, relu=relu and y is None,
-               backward=True, more_rows=None if grad_shortcut is None else _rows(grad_shortcut),
+               backward=True, more_rows=None if grad_shortcut is None else z_rows,
                y_rows=None if y is None else _rows(y), dz_rows=z_rows if kept else None)
     block_r, block_c, programs, blocks = BN_GRADIENT.grid(x_rows)
     _bn_backward_apply_kernel[(programs, blocks)](

@@ -278,6 +278,28 @@ def test_max_pool(dtype, kernel, stride, padding, channels_last):
     assert torch.equal(*args)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF])
+def test_batch_norm_max_pool(dtype):
+    """The stem's BatchNorm, ReLU and max-pool in one pass: the maxima and their positions
+    of the normalization (Triton's own, rounded to x's type) pooled after it, exactly; a
+    NaN is a window's maximum, zeros from the ReLU tie in most windows, a negative scale
+    keeps the padding out, and odd sizes leave rows no window covers."""
+    x = rand(3, 70, 11, 9, dtype=dtype).to(memory_format=torch.channels_last)
+    x[1, 5, 4, 4] = float("nan")
+    mean, var = batch_stats(x)
+    weight = rand(70, seed=2)
+    weight[0] = -1.0
+    norm = (mean.float(), torch.rsqrt(var + 1e-5).float(), weight, rand(70, seed=3))
+    window = ([3, 3], [2, 2], [1, 1])
+    want = triton_ops.max_pool(triton_ops.batch_norm_apply(x, *norm, None, True), *window)
+    for impl in (reference, triton_ops):
+        got = impl.batch_norm_max_pool(x, *norm, *window)
+        if impl is reference and dtype == torch.bfloat16 and not ON_GPU:  # the interpreter truncates to bf16
+            continue
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0, equal_nan=True)
+        assert torch.equal(got[1], want[1]) and (want[1] != 0).float().mean() > 0.3
+
+
 def test_a_compiled_max_pool_is_the_kernel_as_it_is():
     """Under torch.compile the Triton module's max_pool stays one opaque op that inductor
     calls as it is (inductor's compiled torch form of it was slower, docs/BENCHMARKS.md),
@@ -458,7 +480,7 @@ def test_batch_norm_block_backward(dtype, shape, shortcut, relu):
     """The block BatchNorm's backward against float64: grad_out plus the gradient a later
     shortcut hands back (in their type, as autograd adds them), masked by the output after a
     residual add or by x; the input's and parameters' gradients, and the residual's (None
-    where the ReLU comes right after the BatchNorm)."""
+    where the ReLU comes right after the BatchNorm), written over the handed-back gradient."""
     c = shape[1]
     x = rand(*shape, dtype=dtype).to(memory_format=torch.channels_last)
     grad_out = rand(*shape, seed=1, dtype=dtype).to(memory_format=torch.channels_last)
@@ -467,7 +489,10 @@ def test_batch_norm_block_backward(dtype, shape, shortcut, relu):
     mean, var = batch_stats(x)
     args = (grad_out, more, y, x, mean.float(), torch.rsqrt(var + 1e-5).float(), rand(c, seed=2).abs() + 0.5,
             rand(c, seed=3) * 0.1, relu != "none")
-    got = triton_ops.batch_norm_block_backward(*args)
+    given = None if more is None else more.clone()  # the kernels write the sum over it
+    got = triton_ops.batch_norm_block_backward(grad_out, given, *args[2:])
+    if shortcut and relu != "x":
+        assert got[3].data_ptr() == given.data_ptr()
     # the two gradients' sum in their type, as autograd adds them; the rest in float64
     want = truth("batch_norm_block_backward", grad_out if more is None else grad_out + more, None, *args[2:])
     assert (got[3] is None) == (want[3] is None) == (relu == "x")
@@ -482,36 +507,62 @@ def test_batch_norm_block_backward(dtype, shape, shortcut, relu):
         assert rel_err(got[2], truth("batch_norm_block_backward", args[0], None, *args[2:])[2]) > 0.1
 
 
-def test_a_block_hands_its_identity_shortcuts_gradient_to_the_batch_norm_before_it():
-    """Eager training (the Triton kernels, Triton's interpreter here): a ResNet-18 with the
-    CIFAR stem, whose every block with an identity shortcut reads a BatchNorm's output,
-    runs its backward with no ReLU mask and no add of its own but at the three blocks
-    that downsample (their input's two convolutions), and gets the plain model's gradients."""
-    import copy
-
+def aten_ops(fn, *args):
+    """fn(*args), and the ops it ran (aten's and custom ones)."""
     from torch.utils._python_dispatch import TorchDispatchMode
-
-    from trainer.models import build_model
-    from trainer.norm import use_batch_norm_kernels
+    seen = []
 
     class Ops(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             seen.append(func)
             return func(*args, **(kwargs or {}))
 
+    with Ops():
+        return fn(*args), seen
+
+
+def test_the_block_batch_norm_backward_of_a_mean_pools_gradient():
+    """The last block's BatchNorm gets a mean-pool's gradient, broadcast over (H, W): its
+    backward matches float64 and keeps the masked gradient channels-last, with no copy of
+    the broadcast one (the step's peak memory is at its start)."""
+    x = rand(4, 16, 5, 5).to(memory_format=torch.channels_last)
+    y = rand(4, 16, 5, 5, seed=5).to(memory_format=torch.channels_last)
+    grad_out = rand(4, 16, 1, 1, seed=1).expand(4, 16, 5, 5) / 25
+    mean, var = batch_stats(x)
+    args = (grad_out, None, y, x, mean.float(), torch.rsqrt(var + 1e-5).float(), rand(16, seed=2).abs() + 0.5,
+            rand(16, seed=3) * 0.1, True)
+    got, ops = aten_ops(triton_ops.batch_norm_block_backward, *args)
+    want = truth("batch_norm_block_backward", *args)
+    assert got[3].is_contiguous(memory_format=torch.channels_last) and torch.ops.aten.clone.default not in ops
+    assert all(rel_err(g, w) < 1e-5 for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("stem, size, adds", [("cifar", 16, 0), ("imagenet", 64, 1)])
+def test_a_block_hands_its_shortcuts_gradient_to_the_batch_norm_before_it(stem, size, adds):
+    """Eager training (the Triton kernels, Triton's interpreter here): a ResNet-18 runs its
+    backward with no add of its own where a block reads a BatchNorm's output (each block's
+    shortcut, the identity or a downsampling convolution, hands its gradient to that
+    BatchNorm): none with the CIFAR stem; with the ImageNet one, whose BatchNorm, ReLU and
+    max-pool are one pass, the first block's input is the pool's, and autograd adds its two
+    gradients. No ReLU mask but the last block's. The plain model's gradients."""
+    import copy
+
+    from trainer.models import build_model
+    from trainer.norm import use_batch_norm_kernels
+    from trainer.pooling import use_max_pool_kernel
     torch.manual_seed(0)
-    plain = build_model("resnet18", 10, stem="cifar").to(DEVICE)
+    plain = build_model("resnet18", 10, stem=stem).to(DEVICE)
     swapped = copy.deepcopy(plain)
+    use_max_pool_kernel(swapped, triton_ops)
     use_batch_norm_kernels(swapped, triton_ops, normalize=True)
-    x = rand(4, 3, 16, 16)
+    x = rand(4, 3, size, size)
     for model in (plain, swapped):
-        seen = []
         with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):  # TF32 convolutions differ by 1e-4 and more
-            loss = model(x).square().sum()
-            with Ops():
-                loss.backward()
-    assert torch.ops.aten.threshold_backward.default not in seen
-    assert seen.count(torch.ops.aten.add.Tensor) == 3
+            _, seen = aten_ops(lambda: model(x).square().sum().backward())
+    # one mask: the last block's, whose gradient is the mean-pool's, broadcast
+    assert seen.count(torch.ops.aten.threshold_backward.default) == 1
+    assert seen.count(torch.ops.aten.add.Tensor) == adds
+    assert torch.ops.trainer.max_pool.default not in seen
     for (name, p), q in zip(plain.named_parameters(), swapped.parameters()):
         assert rel_err(q.grad, p.grad) < 1e-4, name
 
@@ -548,20 +599,25 @@ def test_a_resnet_with_the_batch_norm_kernels_keeps_its_forward_and_gradients(no
     folded into them (torchvision's Bottleneck, BasicBlock and stem, the CIFAR ResNet's
     block), computed in float64 by the torch reference: the logits, every gradient, the
     running statistics and the evaluation output of the unchanged models; the normalization
-    in torch ops (what inductor compiles) or the kernels' (eager training's)."""
+    in torch ops (what inductor compiles) or the kernels' (eager training's, with
+    ResNet-50's stem pool folded into its BatchNorm)."""
     import copy
 
     import torchvision
 
     from trainer.models import CifarResNet
     from trainer.norm import BatchNorm2d, use_batch_norm_kernels
+    from trainer.pooling import use_max_pool_kernel
     torch.manual_seed(0)
     x = rand(4, 3, 48, 48).double()
     for model, count in ((torchvision.models.resnet50(num_classes=10), 53),
                          (torchvision.models.resnet18(num_classes=10), 20), (CifarResNet(8, 8, 10), 9)):
         plain = model.to(DEVICE, torch.float64)
         swapped = copy.deepcopy(plain)
+        use_max_pool_kernel(swapped, reference)  # as set-up does first: the eager form folds the stem's into bn1
         assert use_batch_norm_kernels(swapped, reference, normalize) == count
+        if count == 53:
+            assert (swapped.bn1.pool is not None) == swapped.maxpool.folded == normalize
         fused = [m for m in swapped.modules() if type(m) is BatchNorm2d and m.relu]
         assert len(fused) == {53: 49, 20: 17, 9: 6}[count]
         outs = []

@@ -6,13 +6,16 @@ faster at ResNet-50's shapes), and backward finds the ReLU's mask again from the
 BatchNorm input it keeps anyway. There the normalization stays plain torch, so that
 inductor fuses it with the ReLU and residual add around it (docs/BENCHMARKS.md, "Session
 I"). Without compile the Triton kernels normalize, add and apply the ReLU in one pass,
-where ATen's BatchNorm, add and ReLU take three."""
+where ATen's BatchNorm, add and ReLU take three; there a block's shortcut hands its
+gradient to the BatchNorm before the block (_NormalizedBatchNorm says why), and the
+stem's BatchNorm, ReLU and max-pool are one pass."""
 import torch
 import torchvision
 from torch import nn
 
 from trainer import models
 from trainer.errors import PlanError
+from trainer.pooling import MaxPool2d
 
 
 class _BatchNorm(torch.autograd.Function):
@@ -40,32 +43,100 @@ class _NormalizedBatchNorm(torch.autograd.Function):
     pass of the kernels' batch_norm_apply. Backward finds the ReLU's mask again from x,
     or, after a residual add, from the output, which the next layer keeps anyway.
 
-    A block whose shortcut is the identity adds its input, the output of the BatchNorm
-    that ends the block before it, as its residual; that input's gradient is the sum of
-    the residual's and the block's first convolution's. Autograd would add the two in a
-    pass of its own, and mask the sum in another: here the residual comes detached, and
-    its gradient goes to that BatchNorm's backward node (`source`), whose first pass adds
-    it to grad_out, masks the sum and keeps it. The node's backward runs after this one:
-    it waits for the first convolution's gradient, which comes after this BatchNorm's."""
+    A block's input, the output of the BatchNorm before it (the previous block's last, or
+    the stem's), has two gradients: its first convolution's, and its shortcut's (the
+    residual's, or the downsampling convolution's). Autograd would add the two in a pass
+    of its own, and the ReLU's mask would take another. Instead the shortcut hands its
+    gradient to that BatchNorm's backward node (hand_back), whose first pass adds it to
+    grad_out, masks the sum and keeps it; the shortcut returns no gradient to autograd.
+    The edge stays, so the node's backward still waits for the shortcut's."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, mean, invstd, residual, relu, kernels, source):
+    def forward(ctx, x, weight, bias, mean, invstd, residual, relu, kernels):
         y = kernels.batch_norm_apply(x, mean, invstd, weight, bias, residual, relu)
         ctx.save_for_backward(x, weight, bias, mean, invstd, y if residual is not None and relu else None)
-        ctx.relu, ctx.backward, ctx.source = relu, kernels.batch_norm_block_backward, source
-        ctx.grad_shortcut = None  # where a later block hands back its shortcut's gradient
+        ctx.relu, ctx.backward = relu, kernels.batch_norm_block_backward
+        # where the residual's gradient goes: a new tensor with the ReLU after the add, which
+        # the receiving backward may overwrite (batch_norm_block_backward)
+        ctx.source = source(residual) if residual is not None and relu else None
+        ctx.grad_shortcut = None  # what a shortcut hands back
+        ctx.set_materialize_grads(False)
         return y
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, bias, mean, invstd, y = ctx.saved_tensors
         grad_shortcut, ctx.grad_shortcut = ctx.grad_shortcut, None
+        if grad_out is None:  # every reader of the output handed its gradient back
+            grad_out, grad_shortcut = grad_shortcut, None
         grad_x, grad_weight, grad_bias, grad_z = ctx.backward(grad_out, grad_shortcut, y, x, mean, invstd, weight,
                                                               bias, ctx.relu)
         if ctx.source is not None:
-            ctx.source.grad_shortcut = grad_z if ctx.source.grad_shortcut is None else ctx.source.grad_shortcut + grad_z
+            hand_back(ctx.source, grad_z)
         return (grad_x, grad_weight.to(weight.dtype), grad_bias.to(bias.dtype), None, None,
-                grad_z if ctx.needs_input_grad[5] else None, None, None, None)
+                grad_z if ctx.needs_input_grad[5] and ctx.source is None else None, None, None)
+
+
+class _PooledBatchNorm(torch.autograd.Function):
+    """Eager training's stem: BatchNorm, its ReLU and the max-pool after them in one pass of
+    the kernels' batch_norm_max_pool, which keeps only the pool's positions. Backward is the
+    pool's, then BatchNorm's, which finds the ReLU's mask again from x."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, mean, invstd, kernels, window):
+        y, arg = kernels.batch_norm_max_pool(x, mean, invstd, weight, bias, *window)
+        ctx.save_for_backward(x, weight, bias, mean, invstd, arg)
+        ctx.kernels, ctx.window = kernels, window
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, bias, mean, invstd, arg = ctx.saved_tensors
+        grad_y = ctx.kernels.max_pool_backward(grad_out, arg, list(x.shape),
+                                               x.is_contiguous(memory_format=torch.channels_last), *ctx.window)
+        grad_x, grad_weight, grad_bias = ctx.kernels.batch_norm_backward(grad_y, x, mean, invstd, weight, bias, True)
+        return grad_x, grad_weight.to(weight.dtype), grad_bias.to(bias.dtype), None, None, None, None
+
+
+def source(t: torch.Tensor):
+    """The backward node of the _NormalizedBatchNorm whose output t is, or None."""
+    return t.grad_fn if isinstance(t.grad_fn, _NormalizedBatchNorm._backward_cls) else None
+
+
+def hand_back(node, grad: torch.Tensor):
+    """Leave grad, a new tensor, for node's backward, which adds it to its output's gradient."""
+    node.grad_shortcut = grad if node.grad_shortcut is None else node.grad_shortcut + grad
+
+
+class _HandingConvolution(torch.autograd.Function):
+    """A convolution whose input's gradient goes to the BatchNorm that made the input
+    (_NormalizedBatchNorm says why), as aten's convolution_backward computes it."""
+
+    @staticmethod
+    def forward(ctx, x, weight, conv, node):
+        ctx.save_for_backward(x, weight)
+        ctx.conv, ctx.node = conv, node
+        return conv._conv_forward(x, weight, None)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        c = ctx.conv
+        grad_x, grad_weight, _ = torch.ops.aten.convolution_backward(
+            grad_out, x, weight, None, c.stride, c.padding, c.dilation, False, [0, 0], c.groups,
+            [True, ctx.needs_input_grad[1], False])
+        hand_back(ctx.node, grad_x)
+        return None, grad_weight, None, None
+
+
+class ShortcutConv2d(nn.Conv2d):
+    """A block's downsampling convolution (no bias, zero padding), which in training hands
+    its input's gradient to the BatchNorm that made the input, where one of
+    _NormalizedBatchNorm did."""
+
+    def forward(self, x):
+        node = source(x) if self.training and torch.is_grad_enabled() else None
+        return super().forward(x) if node is None else _HandingConvolution.apply(x, self.weight, self, node)
 
 
 class BatchNorm2d(nn.BatchNorm2d):
@@ -73,9 +144,10 @@ class BatchNorm2d(nn.BatchNorm2d):
     one is given, then a ReLU when `self.relu`. In training the statistics (and the running
     statistics' update) are `self.kernels`'s and so is backward; the normalization is
     theirs too when `self.normalize` (eager training), else torch ops for inductor to fuse
-    with what is around them. In evaluation it is nn.BatchNorm2d's. `identity_shortcut`:
-    the residual is the block's input, which the block's first convolution reads too."""
-    relu = identity_shortcut = False
+    with what is around them. In evaluation it is nn.BatchNorm2d's. `pool`: the window of
+    the max-pool after it (a folded trainer.pooling.MaxPool2d), which in eager training it
+    applies too, after the ReLU."""
+    relu, pool = False, None
 
     def forward(self, x, residual=None):
         if not self.training:
@@ -89,14 +161,11 @@ class BatchNorm2d(nn.BatchNorm2d):
         mean, invstd = self.kernels.batch_norm_stats_(x.detach(), self.running_statistics, self.momentum, self.eps)
         if self.num_batches_tracked is not None:  # the trainer's binding drops it: the step counts
             self.num_batches_tracked.add_(1)
+        if self.pool is not None:
+            return _PooledBatchNorm.apply(x, self.weight, self.bias, mean, invstd, self.kernels, self.pool)
         if self.normalize:
-            source = residual.grad_fn if self.identity_shortcut and residual is not None else None
-            if isinstance(source, _NormalizedBatchNorm._backward_cls):
-                residual = residual.detach()  # its gradient goes to source (_NormalizedBatchNorm says why)
-            else:
-                source = None
             return _NormalizedBatchNorm.apply(x, self.weight, self.bias, mean, invstd, residual, self.relu,
-                                              self.kernels, source)
+                                              self.kernels)
         # backward finds the ReLU's mask again from x only where no residual add comes before it
         y = _BatchNorm.apply(x, self.weight, self.bias, mean, invstd, self.relu and residual is None,
                              self.kernels.batch_norm_backward)
@@ -138,7 +207,9 @@ def use_batch_norm_kernels(model: nn.Module, kernels, normalize: bool = False) -
     """Give the model's nn.BatchNorm2d modules the kernels' statistics and backward, and
     with `normalize` their normalization too (for eager training: without inductor to fuse
     it); fold each ReLU that a ResNet block (or torchvision's stem) applies right after one,
-    and each block's residual add, into it. Returns how many BatchNorms."""
+    and each block's residual add, into it; with `normalize`, a block's downsampling
+    convolution becomes a ShortcutConv2d, and the stem's max-pool (trainer.pooling's)
+    goes into its BatchNorm. Returns how many BatchNorms."""
     swapped = 0
     for m in model.modules():
         if type(m) is nn.BatchNorm2d and m.affine and m.track_running_stats and m.momentum is not None:
@@ -151,11 +222,15 @@ def use_batch_norm_kernels(model: nn.Module, kernels, normalize: bool = False) -
             m.__class__ = twin
             for n in norms:
                 getattr(m, n).relu = True
-            # torchvision's blocks have a downsample or None, the CIFAR block a shortcut, empty or not
-            getattr(m, norms[-1]).identity_shortcut = getattr(m, "downsample", None) is None and not len(
-                getattr(m, "shortcut", ()))
+            # torchvision's downsample (or None), the CIFAR block's shortcut (empty: the identity)
+            shortcut = getattr(m, "downsample", None) or getattr(m, "shortcut", None)
+            conv = shortcut[0] if shortcut else None
+            if normalize and type(conv) is nn.Conv2d and conv.bias is None and conv.padding_mode == "zeros":
+                conv.__class__ = ShortcutConv2d
     if type(model) is torchvision.models.ResNet and type(model.bn1) is BatchNorm2d and type(model.relu) is nn.ReLU:
         model.bn1.relu, model.relu = True, nn.Identity()
+        if normalize and type(model.maxpool) is MaxPool2d:  # the normalized stem is never written
+            model.bn1.pool, model.maxpool.folded = model.maxpool.window(), True
     return swapped
 
 

@@ -28,12 +28,19 @@ class _MaxPool(torch.autograd.Function):
 
 class MaxPool2d(nn.MaxPool2d):
     """nn.MaxPool2d (no dilation, floor mode) computed by `self.pool_kernel`, whose
-    positions `self.backward_kernel` reads."""
+    positions `self.backward_kernel` reads. `folded`: in training the BatchNorm before it
+    pools (trainer.norm), and it passes its input through."""
+    folded = False
 
     def forward(self, x):
+        if self.folded and self.training:
+            return x
+        return _MaxPool.apply(x, self.pool_kernel, self.backward_kernel, *self.window())
+
+    def window(self) -> tuple[list[int], list[int], list[int]]:
+        """(kernel, stride, padding), each as [height, width]."""
         stride = self.stride if self.stride else self.kernel_size  # nn.MaxPool2d's default
-        return _MaxPool.apply(x, self.pool_kernel, self.backward_kernel, list(_pair(self.kernel_size)),
-                              list(_pair(stride)), list(_pair(self.padding)))
+        return list(_pair(self.kernel_size)), list(_pair(stride)), list(_pair(self.padding))
 
 
 def use_max_pool_kernel(model: nn.Module, kernels) -> int:
