@@ -156,7 +156,8 @@ class TrainConfig:
     deterministic: bool = False
     # auto | torch | triton: implementation of the range ops and the model ops (max-pool,
     # BatchNorm); triton (auto's choice on a GPU) also normalizes a ResNet's BatchNorms
-    # with their residual add and ReLU in one pass without compile, torch keeps ATen's
+    # with their residual add and ReLU in one pass without compile (the stem's with its
+    # max-pool, and each shortcut's gradient handed to them), torch keeps ATen's
     kernels: str = "auto"
     compile: bool = False  # run inductor on forward and backward inside the captured step
     # inductor settings for compile=true, over INDUCTOR_DEFAULTS, e.g.
