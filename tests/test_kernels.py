@@ -286,7 +286,10 @@ def test_batch_norm_max_pool(dtype):
     ties in most windows, zeros from the ReLU among them; a NaN is a window's maximum, a
     negative scale keeps the padding out, odd sizes leave rows no window covers."""
     g = torch.Generator().manual_seed(0)
-    dyadic = lambda low, high, scale: (torch.randint(low, high, (70,), generator=g) * scale).to(DEVICE)
+
+    def dyadic(low, high, scale):
+        return (torch.randint(low, high, (70,), generator=g) * scale).to(DEVICE)
+
     x = torch.randint(-3, 4, (3, 70, 11, 9), generator=g).to(DEVICE, dtype).to(memory_format=torch.channels_last)
     x[1, 5, 4, 4] = float("nan")
     weight = dyadic(-2, 3, 0.5)
