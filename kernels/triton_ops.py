@@ -376,8 +376,7 @@ def _max_pool_kernel(x_ptr, y_ptr, arg_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, 
         for j in tl.static_range(KW):
             h, w = oh * SH - PH + i, ow * SW - PW + j
             inside = live & ((h >= 0) & (h < H) & (w >= 0) & (w < W))[:, None]
-            v = tl.load(base + (h * XH + w * XW)[:, None], inside, other=float("-inf"))
-            v = v.to(tl.float32)
+            v = tl.load(base + (h * XH + w * XW)[:, None], inside, other=float("-inf")).to(tl.float32)
             if NORMALIZE:
                 v = v * scale + shift
                 v = tl.where(v < 0, 0.0, v).to(x_ptr.dtype.element_ty).to(tl.float32)
