@@ -42,20 +42,26 @@ def passes(channels: int):
     """(name, kernel, arguments, tiles) of each pass at ResNet-50's 56x56 maps, batch 256."""
     half, single, counters = torch.empty(1, dtype=torch.float16), torch.empty(1), torch.empty(1, dtype=torch.int32)
     common = dict(x_ptr=half, g_ptr=half)
+    statistics = dict(mean_ptr=single, invstd_ptr=single, w_ptr=single, b_ptr=single)
     for name, tiles in (("statistics", triton_ops.BN_STATS), ("sums", triton_ops.BN_SUMS),
-                        ("sums with the ReLU", triton_ops.BN_SUMS)):
+                        ("sums with the ReLU", triton_ops.BN_SUMS), ("sums of a block's end", triton_ops.BN_SUMS)):
         block_r, block_c = tiles.block(channels)
+        end = name.endswith("end")  # a shortcut's gradient added, the output's mask, the sum kept
         yield name, triton_ops._bn_reduce_kernel, dict(
-            **common, mean_ptr=single, invstd_ptr=single, w_ptr=single, b_ptr=single, part_ptr=single,
-            count_ptr=counters, out1_ptr=single, out2_ptr=single, M=802816, C=channels, rows=3072, stretches=264,
-            momentum=0.1, eps=1e-5, BACKWARD=name != "statistics", RELU=name.endswith("ReLU"), BLOCK_R=block_r,
+            **common, more_ptr=half, y_ptr=half, dz_ptr=half, **statistics, part_ptr=single, count_ptr=counters,
+            out1_ptr=single, out2_ptr=single, M=802816, C=channels, rows=3072, stretches=264, momentum=0.1, eps=1e-5,
+            BACKWARD=name != "statistics", RELU=name.endswith("ReLU"), MORE=end, Y_MASK=end, BLOCK_R=block_r,
             BLOCK_C=block_c, STAGES=tiles.stages), tiles
     tiles = triton_ops.BN_GRADIENT
     block_r, block_c = tiles.block(channels)
     yield "gradient", triton_ops._bn_backward_apply_kernel, dict(
-        **common, dx_ptr=half, mean_ptr=single, invstd_ptr=single, w_ptr=single, b_ptr=single, dbias_ptr=single,
-        dweight_ptr=single, M=802816, C=channels, RELU=True, BLOCK_R=block_r, BLOCK_C=block_c,
-        STAGES=tiles.stages), tiles
+        **common, dx_ptr=half, **statistics, dbias_ptr=single, dweight_ptr=single, M=802816, C=channels, RELU=True,
+        BLOCK_R=block_r, BLOCK_C=block_c, STAGES=tiles.stages), tiles
+    tiles = triton_ops.BN_NORMALIZE
+    block_r, block_c = tiles.block(channels)
+    yield "normalization", triton_ops._bn_normalize_kernel, dict(
+        x_ptr=half, r_ptr=half, y_ptr=half, **statistics, M=802816, C=channels, RESIDUAL=True, RELU=True,
+        BLOCK_R=block_r, BLOCK_C=block_c, STAGES=tiles.stages), tiles
 
 
 def main():

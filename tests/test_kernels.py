@@ -632,6 +632,9 @@ def test_a_resnet_with_the_batch_norm_kernels_keeps_its_forward_and_gradients(no
             assert rel_err(q.grad, p.grad) < 1e-9, name
         for (name, p), q in zip(plain.named_buffers(), swapped.buffers()):
             assert rel_err(q, p) < 1e-10, name
+        if count == 53:  # training with the stem's BatchNorm frozen (trainer.stem_norm_freeze_epochs)
+            plain.bn1.eval(), swapped.bn1.eval()
+            torch.testing.assert_close(swapped(x), plain(x), rtol=1e-10, atol=1e-12)
         plain.eval(), swapped.eval()
         torch.testing.assert_close(swapped(x), plain(x), rtol=1e-10, atol=1e-12)
 
@@ -736,28 +739,33 @@ def test_running_statistics_that_cannot_be_one_view_are_refused():
         running_statistics(bn)
 
 
-def test_folded_evaluation_keeps_a_fused_relu():
+def test_folded_evaluation_keeps_a_fused_relu_and_pool():
     """fold_bn evaluates each BatchNorm as x * scale + bias: where the ReLU after it was
-    folded into the BatchNorm, the folded forward applies it too."""
+    folded into the BatchNorm, the folded forward applies it too, and so the stem's
+    max-pool where eager training folds it into its BatchNorm."""
     import copy
 
     from trainer.binding import FoldedForward
-    from trainer.models import CifarResNet
+    from trainer.models import CifarResNet, build_model
     from trainer.norm import use_batch_norm_kernels
+    from trainer.pooling import use_max_pool_kernel
     torch.manual_seed(0)
-    plain = CifarResNet(8, 8, 10).to(DEVICE).eval()
-    for bn in plain.modules():
-        if isinstance(bn, torch.nn.BatchNorm2d):
-            bn.running_mean.uniform_(-1, 1)  # some pre-activations negative: the ReLU matters
-    swapped = copy.deepcopy(plain)
-    use_batch_norm_kernels(swapped, reference)
-    for model in (plain, swapped):
-        for bn in model.modules():
+    for plain, normalize in ((CifarResNet(8, 8, 10), False), (build_model("resnet18", 10), True)):
+        plain = plain.to(DEVICE).eval()
+        for bn in plain.modules():
             if isinstance(bn, torch.nn.BatchNorm2d):
-                scale = bn.weight.detach() * torch.rsqrt(bn.running_var + bn.eps)
-                bn.forward = FoldedForward(scale, bn.bias.detach() - bn.running_mean * scale, getattr(bn, "relu", False))
-    x = rand(2, 3, 16, 16)
-    torch.testing.assert_close(swapped(x), plain(x))
+                bn.running_mean.uniform_(-1, 1)  # some pre-activations negative: the ReLU matters
+        swapped = copy.deepcopy(plain)
+        use_max_pool_kernel(swapped, reference)
+        use_batch_norm_kernels(swapped, reference, normalize)
+        for model in (plain, swapped):
+            for bn in model.modules():
+                if isinstance(bn, torch.nn.BatchNorm2d):
+                    scale = bn.weight.detach() * torch.rsqrt(bn.running_var + bn.eps)
+                    bn.forward = FoldedForward(scale, bn.bias.detach() - bn.running_mean * scale,
+                                               getattr(bn, "relu", False), getattr(bn, "pool", None))
+        x = rand(2, 3, 32, 32)
+        torch.testing.assert_close(swapped(x), plain(x))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="inductor compiles the model around the kernels for the GPU")

@@ -22,7 +22,7 @@ def test_each_batch_norm_pass_compiles_for_an_h200_with_its_loads_staged():
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     passes = json.loads(proc.stdout)
-    assert len(passes) == 12
+    assert len(passes) == 18
     for name, p in passes.items():
         assert p["staged"] == (p["stages"] > 1), name
         assert 0 < p["shared"] <= 227 * 1024 // 2, name

@@ -99,17 +99,24 @@ class PaddedInputConv2d(nn.Conv2d):
         return super()._conv_forward(x, F.pad(weight, (0, 0, 0, 0, 0, missing)) if missing else weight, bias)
 
 
-class FoldedForward:
-    """A BatchNorm folded for evaluation: x * scale + bias, from the W_EQ regions, then the
-    residual add and the ReLU that a BatchNorm of trainer.norm applies after it."""
+def norm_output(y, residual, relu: bool, pool):
+    """What a BatchNorm of trainer.norm applies after normalizing outside its training
+    pass: the residual add, the ReLU, and the stem's max-pool (`pool`: its window, or None)."""
+    y = y if residual is None else y + residual
+    y = torch.relu(y) if relu else y
+    return y if pool is None else F.max_pool2d(y, *pool)
 
-    def __init__(self, scale: torch.Tensor, bias: torch.Tensor, relu: bool):
-        self.scale, self.bias, self.relu = scale.view(1, -1, 1, 1), bias.view(1, -1, 1, 1), relu
+
+class FoldedForward:
+    """A BatchNorm folded for evaluation: x * scale + bias, from the W_EQ regions, then what
+    a BatchNorm of trainer.norm applies after it (norm_output)."""
+
+    def __init__(self, scale: torch.Tensor, bias: torch.Tensor, relu: bool, pool):
+        self.scale, self.bias, self.relu, self.pool = scale.view(1, -1, 1, 1), bias.view(1, -1, 1, 1), relu, pool
 
     def __call__(self, x, residual=None):
-        y = torch.addcmul(self.bias.to(x.dtype), x, self.scale.to(x.dtype))
-        y = y if residual is None else y + residual
-        return torch.relu(y) if self.relu else y
+        return norm_output(torch.addcmul(self.bias.to(x.dtype), x, self.scale.to(x.dtype)), residual, self.relu,
+                           self.pool)
 
 
 def use_statistics(model: nn.Module, tensors: ModelTensors, arena: Arena, which: str):
@@ -127,7 +134,8 @@ def use_statistics(model: nn.Module, tensors: ModelTensors, arena: Arena, which:
             # to it, and a new one would make each evaluation compile again (and after eight
             # times, run uncompiled)
             if "folded_forward" not in bn.__dict__:
-                bn.folded_forward = FoldedForward(arena[s.eq_scale], arena[s.eq_bias], getattr(bn, "relu", False))
+                bn.folded_forward = FoldedForward(arena[s.eq_scale], arena[s.eq_bias], getattr(bn, "relu", False),
+                                                  getattr(bn, "pool", None))
             bn.forward = bn.folded_forward
             continue
         mean, var = (s.next_mean, s.next_var) if which == "next" else (s.prev_mean, s.prev_var)

@@ -14,6 +14,7 @@ import torchvision
 from torch import nn
 
 from trainer import models
+from trainer.binding import norm_output
 from trainer.errors import PlanError
 from trainer.pooling import MaxPool2d
 
@@ -145,15 +146,14 @@ class BatchNorm2d(nn.BatchNorm2d):
     statistics' update) are `self.kernels`'s and so is backward; the normalization is
     theirs too when `self.normalize` (eager training), else torch ops for inductor to fuse
     with what is around them. In evaluation it is nn.BatchNorm2d's. `pool`: the window of
-    the max-pool after it (a folded trainer.pooling.MaxPool2d), which in eager training it
-    applies too, after the ReLU."""
+    the max-pool after it (a folded trainer.pooling.MaxPool2d, which passes its input
+    through), which it applies after the ReLU: in eager training in one pass with the
+    normalization, else as max_pool2d."""
     relu, pool = False, None
 
     def forward(self, x, residual=None):
-        if not self.training:
-            y = super().forward(x)
-            y = y if residual is None else y + residual
-            return torch.relu(y) if self.relu else y
+        if not self.training:  # evaluation, or a frozen stem's BatchNorm
+            return norm_output(super().forward(x), residual, self.relu, self.pool)
         if x.numel() <= x.shape[1]:  # as batch_norm refuses it: the unbiased variance divides by count - 1
             raise ValueError(f"BatchNorm in training needs more than 1 value per channel, got input of shape "
                              f"{list(x.shape)}")

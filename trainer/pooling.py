@@ -28,12 +28,12 @@ class _MaxPool(torch.autograd.Function):
 
 class MaxPool2d(nn.MaxPool2d):
     """nn.MaxPool2d (no dilation, floor mode) computed by `self.pool_kernel`, whose
-    positions `self.backward_kernel` reads. `folded`: in training the BatchNorm before it
-    pools (trainer.norm), and it passes its input through."""
+    positions `self.backward_kernel` reads. `folded`: the BatchNorm before it pools
+    (trainer.norm), and it passes its input through."""
     folded = False
 
     def forward(self, x):
-        if self.folded and self.training:
+        if self.folded:
             return x
         return _MaxPool.apply(x, self.pool_kernel, self.backward_kernel, *self.window())
 
