@@ -443,8 +443,7 @@ def max_pool(x: torch.Tensor, kernel: list[int], stride: list[int],
 def batch_norm_max_pool(x, mean, invstd, weight, bias, kernel, stride, padding):
     """kernels.reference.batch_norm_max_pool in one pass over x: the normalized activation
     is never written, nor read back by the pool."""
-    return _max_pool(x, (mean, invstd, weight.float().contiguous(), bias.float().contiguous()), kernel, stride,
-                     padding)
+    return _max_pool(x, (mean, invstd, *_fp32(weight, bias)), kernel, stride, padding)
 
 
 def _max_pool(x, norm, kernel, stride, padding):
@@ -649,6 +648,11 @@ def _bn_normalize_kernel(x_ptr, r_ptr, y_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr
         tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask)
 
 
+def _fp32(*params: torch.Tensor) -> list[torch.Tensor]:
+    """BatchNorm's weight and bias as the kernels read them: fp32, contiguous."""
+    return [p.float().contiguous() for p in params]
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """(N, C, H, W) as the (N*H*W, C) matrix of its channels-last layout (a view)."""
     return x.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1).reshape(-1, x.shape[1])
@@ -724,8 +728,8 @@ def batch_norm_apply(x, mean, invstd, weight, bias, residual, relu: bool):
     y = torch.empty_like(x, memory_format=torch.channels_last)
     block_r, block_c, programs, blocks = BN_NORMALIZE.grid(x_rows)
     _bn_normalize_kernel[(programs, blocks)](
-        x_rows, x_rows if residual is None else _rows(residual), _rows(y), mean, invstd, weight.float().contiguous(),
-        bias.float().contiguous(), len(x_rows), x.shape[1], RESIDUAL=residual is not None, RELU=relu,
+        x_rows, x_rows if residual is None else _rows(residual), _rows(y), mean, invstd, *_fp32(weight, bias),
+        len(x_rows), x.shape[1], RESIDUAL=residual is not None, RELU=relu,
         BLOCK_R=block_r, BLOCK_C=block_c, STAGES=BN_NORMALIZE.stages, num_warps=BN_NORMALIZE.warps)
     return y
 
@@ -760,7 +764,7 @@ def _backward(grad_out, grad_shortcut, y, x, mean, invstd, weight, bias, relu: b
     grad_x = torch.empty_like(x, memory_format=torch.channels_last)
     grad_weight = torch.empty(x.shape[1], dtype=torch.float32, device=x.device)
     grad_bias = torch.empty_like(grad_weight)
-    weight, bias = weight.float().contiguous(), bias.float().contiguous()
+    weight, bias = _fp32(weight, bias)
     kept = grad_shortcut is not None or y is not None  # the first pass stores dz
     if grad_shortcut is not None:
         grad_z = grad_shortcut.contiguous(memory_format=torch.channels_last)

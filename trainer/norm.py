@@ -13,6 +13,7 @@ import torch
 import torchvision
 from torch import nn
 
+from kernels.reference import memory_format
 from trainer import models
 from trainer.binding import norm_output
 from trainer.errors import PlanError
@@ -93,8 +94,8 @@ class _PooledBatchNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, bias, mean, invstd, arg = ctx.saved_tensors
-        grad_y = ctx.kernels.max_pool_backward(grad_out, arg, list(x.shape),
-                                               x.is_contiguous(memory_format=torch.channels_last), *ctx.window)
+        grad_y = ctx.kernels.max_pool_backward(grad_out, arg, list(x.shape), memory_format(x) == torch.channels_last,
+                                               *ctx.window)
         grad_x, grad_weight, grad_bias = ctx.kernels.batch_norm_backward(grad_y, x, mean, invstd, weight, bias, True)
         return grad_x, grad_weight.to(weight.dtype), grad_bias.to(bias.dtype), None, None, None, None
 
