@@ -176,10 +176,13 @@ def max_pool(x, kernel, stride, padding):
     return y, arg.to(torch.int8).permute(0, 2, 3, 1).reshape(-1, x.shape[1])
 
 
-def max_pool_backward(grad_out, arg, input_shape, channels_last: bool, kernel, stride, padding):
+def max_pool_backward(grad_out, arg, input_shape, channels_last: bool, kernel, stride, padding, more=None):
     """The gradient of max_pool2d for an input of `input_shape` (channels-last or not) from
     grad_out and max_pool's positions: each input element gets the sum of grad_out over the
-    windows whose maximum it is."""
+    windows whose maximum it is. `more`: a second gradient of the output, which a shortcut
+    reading it hands over (trainer.norm), added to grad_out in their type, as autograd adds."""
+    if more is not None:
+        grad_out = grad_out + more
     n, c, oh, ow = grad_out.shape
     rows, cols = _window_corners(oh, ow, stride, padding, grad_out.device)
     arg = arg.view(n, oh, ow, c).permute(0, 3, 1, 2).long()

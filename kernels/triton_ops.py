@@ -390,14 +390,17 @@ def _max_pool_kernel(x_ptr, y_ptr, arg_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, 
 
 
 @triton.jit
-def _max_pool_backward_kernel(g_ptr, arg_ptr, dx_ptr, n_in, C: tl.constexpr, H: tl.constexpr, W: tl.constexpr,
-                              OH: tl.constexpr, OW: tl.constexpr, XN: tl.constexpr, XC: tl.constexpr,
-                              XH: tl.constexpr, XW: tl.constexpr, YN: tl.constexpr, YC: tl.constexpr,
-                              YH: tl.constexpr, YW: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
-                              SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
-                              POOL_PIXELS: tl.constexpr, POOL_CHANNELS: tl.constexpr):
+def _max_pool_backward_kernel(g_ptr, more_ptr, arg_ptr, dx_ptr, n_in, C: tl.constexpr, H: tl.constexpr,
+                              W: tl.constexpr, OH: tl.constexpr, OW: tl.constexpr, XN: tl.constexpr,
+                              XC: tl.constexpr, XH: tl.constexpr, XW: tl.constexpr, YN: tl.constexpr,
+                              YC: tl.constexpr, YH: tl.constexpr, YW: tl.constexpr, MN: tl.constexpr,
+                              MC: tl.constexpr, MH: tl.constexpr, MW: tl.constexpr, KH: tl.constexpr,
+                              KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr,
+                              PW: tl.constexpr, MORE: tl.constexpr, POOL_PIXELS: tl.constexpr,
+                              POOL_CHANNELS: tl.constexpr):
     """Each input element's gradient (dx, strides X*): the sum, in fp32 and in increasing
-    window order, of grad_out (strides Y*) over the windows whose maximum it is."""
+    window order, of grad_out (strides Y*) over the windows whose maximum it is; with MORE,
+    of grad_out plus the gradient at more_ptr (strides M*), added first in their type."""
     p, c, live = _pool_tile(n_in, C, POOL_PIXELS, POOL_CHANNELS)
     n, h, w = p // (H * W), (p // W) % H, p % W
     acc = tl.zeros((POOL_PIXELS, POOL_CHANNELS), tl.float32)
@@ -412,6 +415,10 @@ def _max_pool_backward_kernel(g_ptr, arg_ptr, dx_ptr, n_in, C: tl.constexpr, H: 
             o = (n * OH + oh) * OW + ow
             arg = tl.load(arg_ptr + o[:, None].to(tl.int64) * C + c[None, :], mask, other=-1)
             g = tl.load(g_ptr + (n.to(tl.int64) * YN + oh * YH + ow * YW)[:, None] + c[None, :] * YC, mask, other=0)
+            if MORE:
+                m = tl.load(more_ptr + (n.to(tl.int64) * MN + oh * MH + ow * MW)[:, None] + c[None, :] * MC, mask,
+                            other=0)
+                g = (g.to(tl.float32) + m.to(tl.float32)).to(g_ptr.dtype.element_ty)
             acc += tl.where(mask & (arg == (i * KW + j)[:, None]), g.to(tl.float32), 0.0)
     tl.store(dx_ptr + (n.to(tl.int64) * XN + h * XH + w * XW)[:, None] + c[None, :] * XC,
              acc.to(dx_ptr.dtype.element_ty), live)
@@ -467,19 +474,23 @@ def _pooled(x, kernel, stride, padding):
 
 @torch.library.custom_op("trainer::max_pool_backward", mutates_args=())
 def max_pool_backward(grad_out: torch.Tensor, arg: torch.Tensor, input_shape: list[int], channels_last: bool,
-                      kernel: list[int], stride: list[int], padding: list[int]) -> torch.Tensor:
+                      kernel: list[int], stride: list[int], padding: list[int],
+                      more: torch.Tensor | None = None) -> torch.Tensor:
     """kernels.reference.max_pool_backward in one pass: every input element gathers
-    grad_out from the windows whose maximum it is."""
-    dx = _max_pool_grad(grad_out, arg, input_shape, channels_last, kernel, stride, padding)
+    grad_out (plus more) from the windows whose maximum it is."""
+    dx = _max_pool_grad(grad_out, arg, input_shape, channels_last, kernel, stride, padding, more)
     if dx.numel():
         n, c, h, w = input_shape
+        more_strides = (more if more is not None else grad_out).stride()
         _max_pool_backward_kernel[POOL_BACKWARD.grid(n * h * w, c)](
-            grad_out, arg, dx, n * h * w, **_shapes(dx, grad_out), **_window(kernel, stride, padding, POOL_BACKWARD))
+            grad_out, grad_out if more is None else more, arg, dx, n * h * w, **_shapes(dx, grad_out),
+            **dict(zip(("MN", "MC", "MH", "MW"), more_strides)), MORE=more is not None,
+            **_window(kernel, stride, padding, POOL_BACKWARD))
     return dx
 
 
 @max_pool_backward.register_fake
-def _max_pool_grad(grad_out, arg, input_shape, channels_last, kernel, stride, padding):
+def _max_pool_grad(grad_out, arg, input_shape, channels_last, kernel, stride, padding, more=None):
     return torch.empty(input_shape, dtype=grad_out.dtype, device=grad_out.device, memory_format=layout(channels_last))
 
 

@@ -82,27 +82,36 @@ class _NormalizedBatchNorm(torch.autograd.Function):
 class _PooledBatchNorm(torch.autograd.Function):
     """Eager training's stem: BatchNorm, its ReLU and the max-pool after them in one pass of
     the kernels' batch_norm_max_pool, which keeps only the pool's positions. Backward is the
-    pool's, then BatchNorm's, which finds the ReLU's mask again from x."""
+    pool's, then BatchNorm's, which finds the ReLU's mask again from x. The first block's
+    shortcut hands its gradient here, as to a _NormalizedBatchNorm, and the pool's backward
+    adds it as it gathers."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, mean, invstd, kernels, window):
         y, arg = kernels.batch_norm_max_pool(x, mean, invstd, weight, bias, *window)
         ctx.save_for_backward(x, weight, bias, mean, invstd, arg)
         ctx.kernels, ctx.window = kernels, window
+        ctx.grad_shortcut = None
+        ctx.set_materialize_grads(False)
         return y
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, bias, mean, invstd, arg = ctx.saved_tensors
+        grad_shortcut, ctx.grad_shortcut = ctx.grad_shortcut, None
+        if grad_out is None:  # every reader of the output handed its gradient back
+            grad_out, grad_shortcut = grad_shortcut, None
         grad_y = ctx.kernels.max_pool_backward(grad_out, arg, list(x.shape), memory_format(x) == torch.channels_last,
-                                               *ctx.window)
+                                               *ctx.window, grad_shortcut)
         grad_x, grad_weight, grad_bias = ctx.kernels.batch_norm_backward(grad_y, x, mean, invstd, weight, bias, True)
         return grad_x, grad_weight.to(weight.dtype), grad_bias.to(bias.dtype), None, None, None, None
 
 
 def source(t: torch.Tensor):
-    """The backward node of the _NormalizedBatchNorm whose output t is, or None."""
-    return t.grad_fn if isinstance(t.grad_fn, _NormalizedBatchNorm._backward_cls) else None
+    """The backward node of the _NormalizedBatchNorm or _PooledBatchNorm whose output t is,
+    which takes a shortcut's gradient (hand_back), or None."""
+    return t.grad_fn if isinstance(t.grad_fn, (_NormalizedBatchNorm._backward_cls,
+                                               _PooledBatchNorm._backward_cls)) else None
 
 
 def hand_back(node, grad: torch.Tensor):
