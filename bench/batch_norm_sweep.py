@@ -1,10 +1,12 @@
-"""BatchNorm's passes over all 53 of ResNet-50's BatchNorms at batch 256 (or --batch N;
+"""BatchNorm's passes over all 53 of ResNet-50's BatchNorms at 224x224, batch 256 (or the 20
+of the 32x32 CIFAR ResNet-18's at batch 512 with --model resnet18_cifar; or --batch N;
 fp16, channels-last, each layer's own tensors), each shape's calls timed together in one
 CUDA graph: the kernels of kernels/triton_ops at every tile configuration of a sweep, and
 with --inductor, inductor's compiled statistics and backward (what compile=true ran before
 trainer.norm).
 
-    python bench/batch_norm_sweep.py [--batch N] [--inductor] [--passes statistics,sums,gradient,normalize]
+    python bench/batch_norm_sweep.py [--model resnet50|resnet18_cifar] [--batch N] [--inductor]
+        [--passes statistics,sums,gradient,normalize]
 
 Each pass (the statistics; backward's sums; its gradient; eager training's
 normalization, timed with a residual add and the ReLU, as a block's last BatchNorm runs
@@ -23,11 +25,13 @@ from bench.kernels_bench import batch_norm_inputs, graph_ms  # noqa: E402
 from kernels import reference, triton_ops  # noqa: E402
 from kernels.triton_ops import BnTiles  # noqa: E402
 
-# (channels, height = width): how many of ResNet-50's BatchNorms (torchvision's, the stride in
-# conv2) see such an input at 224x224
-SHAPES = {(64, 112): 1, (64, 56): 6, (256, 56): 4, (128, 56): 1, (128, 28): 7, (512, 28): 5, (256, 28): 1,
-          (256, 14): 11, (1024, 14): 7, (512, 14): 1, (512, 7): 5, (2048, 7): 4}
-BATCH = int(sys.argv[sys.argv.index("--batch") + 1]) if "--batch" in sys.argv else 256
+# model -> (batch, {(channels, height = width): how many of its BatchNorms see such an input});
+# ResNet-50 is torchvision's (the stride in conv2) at 224x224, ResNet-18 the CIFAR one at 32x32
+MODELS = {"resnet50": (256, {(64, 112): 1, (64, 56): 6, (256, 56): 4, (128, 56): 1, (128, 28): 7, (512, 28): 5,
+                             (256, 28): 1, (256, 14): 11, (1024, 14): 7, (512, 14): 1, (512, 7): 5, (2048, 7): 4}),
+          "resnet18_cifar": (512, {(64, 32): 5, (128, 16): 5, (256, 8): 5, (512, 4): 5})}
+BATCH, SHAPES = MODELS[sys.argv[sys.argv.index("--model") + 1] if "--model" in sys.argv else "resnet50"]
+BATCH = int(sys.argv[sys.argv.index("--batch") + 1]) if "--batch" in sys.argv else BATCH
 # configurations: every combination of (channels, elements, warps, programs per SM, stages)
 CONFIGS = [BnTiles(*t) for t in itertools.product((64, 128), (2048, 4096, 8192), (4, 8), (2, 4), (3,))]
 # pass -> the triton_ops tiles it reads
@@ -102,7 +106,7 @@ def main():
                   f"{best}", flush=True)
         del inputs
     if "--inductor" in sys.argv:
-        print(f"\nall 53 BatchNorms: inductor statistics {inductor[0]:.3f} ms, backward {inductor[1]:.3f}")
+        print(f"\nall {sum(SHAPES.values())} BatchNorms: inductor statistics {inductor[0]:.3f} ms, backward {inductor[1]:.3f}")
     for name in PASSES:
         total = {config: sum(row[config] for row in times[name].values()) for config in CONFIGS + [None]}
         per_shape = sum(min(row[config] for config in CONFIGS) for row in times[name].values())
