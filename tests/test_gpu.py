@@ -152,3 +152,36 @@ def test_the_profile_sees_the_kernels_inside_the_step_graph():
     total = float(table_rows(profiled)[next(k for k in table_rows(profiled) if k.startswith("all"))][1])
     assert sum(float(v[1]) for v in kinds.values()) == pytest.approx(total, abs=0.01 * len(kinds))
     assert {"convolution forward", "convolution dgrad", "range ops (kernels/)"} <= kinds.keys(), profiled
+
+
+def test_a_plain_loop_leaves_no_cudnn_plan_to_our_autotuning():
+    """mode=bench with bench.baseline_autotune=false: the plain fp16 loop runs cuDNN's
+    heuristic plans, for the same convolutions (shapes, layout, fp16) as ours. Ours, which
+    autotunes after it in the same process, still times cuDNN's candidates for each of
+    them, rather than running the plans the plain loop left in torch's cache (kept per
+    thread, under a key without the autotuning flag): its first forward launches more
+    convolution kernels than its next."""
+    from trainer import bench
+    from trainer.setup import make_model
+    device = torch.device("cuda", 0)
+    cfg = config("mode=bench", "amp=true", "trainer.batch_size=64", "bench.steps=2", "bench.warmup=1",
+                 "bench.baseline_autotune=false")
+    bench.plain_loop(cfg, "eager_fp16", device)
+    model = make_model(cfg).to(device)
+    x = torch.randn(64, 3, cfg.data.resolution, cfg.data.resolution, device=device).to(
+        memory_format=torch.channels_last)
+
+    def convolution_kernels() -> int:
+        cuda = torch.profiler.ProfilerActivity.CUDA
+        with torch.profiler.profile(activities=[cuda]) as prof, torch.autocast("cuda", torch.float16):
+            model(x)
+            torch.cuda.synchronize()
+        return sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA
+                   and bench.kernel_kind(e.key) in ("convolution forward", "GEMM (cuBLAS, cuDNN)"))
+
+    autotune, torch.backends.cudnn.benchmark = torch.backends.cudnn.benchmark, True
+    try:
+        first, second = convolution_kernels(), convolution_kernels()
+    finally:
+        torch.backends.cudnn.benchmark = autotune
+    assert first > second > 0, (first, second)
