@@ -266,8 +266,8 @@ def test_max_pool(dtype, kernel, stride, padding, channels_last):
     x = x.to(DEVICE, memory_format=reference.layout(channels_last))
     y, indices = torch.ops.aten.max_pool2d_with_indices(x, kernel, stride, padding)
     grad_out = torch.randint(-4, 5, y.shape, generator=g).to(DEVICE, dtype)
-    more = torch.randint(-4, 5, y.shape, generator=g).to(DEVICE, dtype,
-                                                        memory_format=reference.layout(not channels_last))
+    other_layout = reference.layout(not channels_last)
+    more = torch.randint(-4, 5, y.shape, generator=g).to(DEVICE, dtype, memory_format=other_layout)
     dx = torch.ops.aten.max_pool2d_with_indices_backward(grad_out, x, kernel, stride, padding, [1, 1], False, indices)
     assert dx.abs().sum() > 0
     args = []
