@@ -61,16 +61,13 @@ class _NormalizedBatchNorm(torch.autograd.Function):
         # where the residual's gradient goes: a new tensor with the ReLU after the add, which
         # the receiving backward may overwrite (batch_norm_block_backward)
         ctx.source = source(residual) if residual is not None and relu else None
-        ctx.grad_shortcut = None  # what a shortcut hands back
-        ctx.set_materialize_grads(False)
+        _awaits_shortcuts(ctx)
         return y
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, bias, mean, invstd, y = ctx.saved_tensors
-        grad_shortcut, ctx.grad_shortcut = ctx.grad_shortcut, None
-        if grad_out is None:  # every reader of the output handed its gradient back
-            grad_out, grad_shortcut = grad_shortcut, None
+        grad_out, grad_shortcut = _output_gradients(ctx, grad_out)
         grad_x, grad_weight, grad_bias, grad_z = ctx.backward(grad_out, grad_shortcut, y, x, mean, invstd, weight,
                                                               bias, ctx.relu)
         if ctx.source is not None:
@@ -91,16 +88,13 @@ class _PooledBatchNorm(torch.autograd.Function):
         y, arg = kernels.batch_norm_max_pool(x, mean, invstd, weight, bias, *window)
         ctx.save_for_backward(x, weight, bias, mean, invstd, arg)
         ctx.kernels, ctx.window = kernels, window
-        ctx.grad_shortcut = None
-        ctx.set_materialize_grads(False)
+        _awaits_shortcuts(ctx)
         return y
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, bias, mean, invstd, arg = ctx.saved_tensors
-        grad_shortcut, ctx.grad_shortcut = ctx.grad_shortcut, None
-        if grad_out is None:  # every reader of the output handed its gradient back
-            grad_out, grad_shortcut = grad_shortcut, None
+        grad_out, grad_shortcut = _output_gradients(ctx, grad_out)
         grad_y = ctx.kernels.max_pool_backward(grad_out, arg, list(x.shape), memory_format(x) == torch.channels_last,
                                                *ctx.window, grad_shortcut)
         grad_x, grad_weight, grad_bias = ctx.kernels.batch_norm_backward(grad_y, x, mean, invstd, weight, bias, True)
@@ -112,6 +106,20 @@ def source(t: torch.Tensor):
     which takes a shortcut's gradient (hand_back), or None."""
     return t.grad_fn if isinstance(t.grad_fn, (_NormalizedBatchNorm._backward_cls,
                                                _PooledBatchNorm._backward_cls)) else None
+
+
+def _awaits_shortcuts(ctx):
+    """Make ctx's node one that shortcuts hand their gradients to (hand_back); autograd then
+    passes None for an output gradient that no reader gave it."""
+    ctx.grad_shortcut = None
+    ctx.set_materialize_grads(False)
+
+
+def _output_gradients(ctx, grad_out):
+    """(grad_out, what shortcuts handed back or None), which ctx gives up; where every reader
+    of the output handed its gradient back, that is grad_out."""
+    grad_shortcut, ctx.grad_shortcut = ctx.grad_shortcut, None
+    return (grad_shortcut, None) if grad_out is None else (grad_out, grad_shortcut)
 
 
 def hand_back(node, grad: torch.Tensor):
