@@ -350,6 +350,14 @@ def _pool_tile(n_pixels, C, POOL_PIXELS: tl.constexpr, POOL_CHANNELS: tl.constex
 
 
 @triton.jit
+def _scale_shift(mean_ptr, invstd_ptr, w_ptr, b_ptr, c, live):
+    """BatchNorm's normalization as a per-channel affine map at channels c (0 where not
+    live): scale = weight * invstd, shift = bias - mean * scale."""
+    scale = tl.load(w_ptr + c, live, other=0.0) * tl.load(invstd_ptr + c, live, other=0.0)
+    return scale, tl.load(b_ptr + c, live, other=0.0) - tl.load(mean_ptr + c, live, other=0.0) * scale
+
+
+@triton.jit
 def _max_pool_kernel(x_ptr, y_ptr, arg_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, n_out, C: tl.constexpr,
                      H: tl.constexpr, W: tl.constexpr, OH: tl.constexpr, OW: tl.constexpr, XN: tl.constexpr,
                      XC: tl.constexpr, XH: tl.constexpr, XW: tl.constexpr, YN: tl.constexpr, YC: tl.constexpr,
@@ -368,10 +376,8 @@ def _max_pool_kernel(x_ptr, y_ptr, arg_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, 
     best = tl.full((POOL_PIXELS, POOL_CHANNELS), float("-inf"), tl.float32)
     arg = tl.full((POOL_PIXELS, POOL_CHANNELS), 0, tl.int32)
     if NORMALIZE:
-        on = c < C
-        scale = tl.load(w_ptr + c, on, other=0.0) * tl.load(invstd_ptr + c, on, other=0.0)
-        shift = (tl.load(b_ptr + c, on, other=0.0) - tl.load(mean_ptr + c, on, other=0.0) * scale)[None, :]
-        scale = scale[None, :]
+        scale, shift = _scale_shift(mean_ptr, invstd_ptr, w_ptr, b_ptr, c, c < C)
+        scale, shift = scale[None, :], shift[None, :]
     for i in tl.static_range(KH):
         for j in tl.static_range(KW):
             h, w = oh * SH - PH + i, ow * SW - PW + j
@@ -644,9 +650,8 @@ def _bn_normalize_kernel(x_ptr, r_ptr, y_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr
     keeps it), over every num_programs(0)-th row tile from program_id(0) on."""
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     live = c < C
-    mean = tl.load(mean_ptr + c, live, other=0.0)[None, :]
-    scale = tl.load(w_ptr + c, live, other=0.0)[None, :] * tl.load(invstd_ptr + c, live, other=0.0)[None, :]
-    shift = tl.load(b_ptr + c, live, other=0.0)[None, :] - mean * scale
+    scale, shift = _scale_shift(mean_ptr, invstd_ptr, w_ptr, b_ptr, c, live)
+    scale, shift = scale[None, :], shift[None, :]
     for t in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_R), tl.num_programs(0), num_stages=STAGES):
         r = t * BLOCK_R + tl.arange(0, BLOCK_R)
         mask = (r < M)[:, None] & live[None, :]
