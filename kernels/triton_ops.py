@@ -502,9 +502,15 @@ def _max_pool_grad(grad_out, arg, input_shape, channels_last, kernel, stride, pa
 
 # BatchNorm over channels-last activations, seen as the (rows = N*H*W, C) matrix of their
 # layout, in tiles of `elements`, `channels` wide at most (64 fp16 channels: a tile row is
-# one 128-byte access). A reduction program sums its stretch of rows; the last program of
-# a channel block to finish adds up every stretch's partial sums, so each reduction is one
-# launch of about `per_sm` programs per SM.
+# one 128-byte access). A pass's program takes every num_programs(0)-th row tile of its
+# channel block; a reduction program sums its tiles, and the last program of a channel
+# block to finish adds up every program's partial sums, so each reduction is one launch
+# of about `per_sm` programs per SM. The reductions go over the tiles from the last and
+# the passes after them from the first, so that each reads first what L2 still holds: the
+# rows that the convolution before wrote last (as far as it writes in row order), then
+# the rows that the reduction read last. On an H200 that took ResNet-50 b256's step from
+# 29.7 to 29.4 ms; the other way round (each reduction program over a stretch of rows, the
+# pass after it back over the same stretch) it took 30.6 ms (docs/BENCHMARKS.md).
 class BnTiles(NamedTuple):
     channels: int
     elements: int
@@ -539,7 +545,7 @@ BN_NORMALIZE = BN_GRADIENT
 
 @triton.jit
 def _bn_reduce_kernel(x_ptr, g_ptr, more_ptr, y_ptr, dz_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, part_ptr, count_ptr,
-                      out1_ptr, out2_ptr, M, C, rows, stretches, momentum, eps, BACKWARD: tl.constexpr,
+                      out1_ptr, out2_ptr, M, C, programs, momentum, eps, BACKWARD: tl.constexpr,
                       RELU: tl.constexpr, MORE: tl.constexpr, Y_MASK: tl.constexpr, BLOCK_R: tl.constexpr,
                       BLOCK_C: tl.constexpr, STAGES: tl.constexpr):
     """Per channel, over the rows. Forward: the sums of x - x[0] and of its square (shifted
@@ -549,8 +555,9 @@ def _bn_reduce_kernel(x_ptr, g_ptr, more_ptr, y_ptr, dz_ptr, mean_ptr, invstd_pt
     the bias's and the weight's gradients; dz is grad_out (plus the gradient at more_ptr
     when MORE, rounded to grad_out's type as autograd adds two) where the ReLU passed it:
     by the output at y_ptr when Y_MASK (a ReLU after a residual add), else by x when RELU.
-    With MORE or Y_MASK, dz is stored at dz_ptr, for the gradient pass and the residual."""
-    s, cb = tl.program_id(0), tl.program_id(1)
+    With MORE or Y_MASK, dz is stored at dz_ptr, for the gradient pass and the residual.
+    Program i sums the row tiles last - i, last - i - programs, ... (BnTiles says why)."""
+    i, cb = tl.program_id(0), tl.program_id(1)
     c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     live = c < C
     if BACKWARD:
@@ -562,11 +569,10 @@ def _bn_reduce_kernel(x_ptr, g_ptr, more_ptr, y_ptr, dz_ptr, mean_ptr, invstd_pt
         center = tl.load(x_ptr + c, live, other=0.0).to(tl.float32)
     acc1 = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
     acc2 = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
-    start = s * rows
-    end = tl.minimum(start + rows, M)
-    for r0 in tl.range(start, end, BLOCK_R, num_stages=STAGES):
-        r = r0 + tl.arange(0, BLOCK_R)
-        mask = (r < end)[:, None] & live[None, :]
+    last = tl.cdiv(M, BLOCK_R) - 1
+    for t in tl.range(i, last + 1, programs, num_stages=STAGES):
+        r = (last - t) * BLOCK_R + tl.arange(0, BLOCK_R)
+        mask = (r < M)[:, None] & live[None, :]
         offs = r.to(tl.int64)[:, None] * C + c[None, :]
         x = tl.load(x_ptr + offs, mask, other=0.0).to(tl.float32)
         xc = tl.where(mask, x - center[None, :], 0.0)
@@ -586,15 +592,15 @@ def _bn_reduce_kernel(x_ptr, g_ptr, more_ptr, y_ptr, dz_ptr, mean_ptr, invstd_pt
         else:
             acc1 += xc
             acc2 += xc * xc
-    tl.store(part_ptr + 2 * s * C + c, tl.sum(acc1, 0), live)
-    tl.store(part_ptr + (2 * s + 1) * C + c, tl.sum(acc2, 0), live)
+    tl.store(part_ptr + 2 * i * C + c, tl.sum(acc1, 0), live)
+    tl.store(part_ptr + (2 * i + 1) * C + c, tl.sum(acc2, 0), live)
     tl.debug_barrier()  # every thread's partial sums are stored before the count moves
-    if tl.atomic_add(count_ptr + cb, 1, sem="acq_rel") == stretches - 1:
+    if tl.atomic_add(count_ptr + cb, 1, sem="acq_rel") == programs - 1:
         t1 = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
         t2 = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
-        for p0 in range(0, stretches, BLOCK_R):
+        for p0 in range(0, programs, BLOCK_R):
             p = p0 + tl.arange(0, BLOCK_R)
-            mask = (p < stretches)[:, None] & live[None, :]
+            mask = (p < programs)[:, None] & live[None, :]
             offs = (2 * p)[:, None] * C + c[None, :]
             # from L2: other SMs wrote these
             t1 += tl.load(part_ptr + offs, mask, other=0.0, cache_modifier=".cg")
@@ -697,22 +703,20 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 
 def _bn_reduce(x_rows, g_rows, mean, invstd, weight, bias, out1, out2, relu: bool, backward: bool,
                momentum: float = 0.0, eps: float = 0.0, more_rows=None, y_rows=None, dz_rows=None):
-    """One launch of _bn_reduce_kernel, each program over a stretch of whole tiles. The
+    """One launch of _bn_reduce_kernel, each program over every programs-th tile. The
     forward pass passes the running mean and variance as mean and invstd, and None for what
     only backward reads; backward passes dz_rows where it has more_rows or y_rows."""
     m, c = x_rows.shape
     tiles = BN_SUMS if backward else BN_STATS
-    block_r, block_c, stretches, blocks = tiles.grid(x_rows)
-    rows = triton.cdiv(triton.cdiv(m, stretches), block_r) * block_r
-    stretches = triton.cdiv(m, rows)
-    part = torch.empty((stretches, 2, c), dtype=torch.float32, device=x_rows.device)
+    block_r, block_c, programs, blocks = tiles.grid(x_rows)
+    part = torch.empty((programs, 2, c), dtype=torch.float32, device=x_rows.device)
     count = _counters(x_rows.device, blocks)
-    _bn_reduce_kernel[(stretches, blocks)](x_rows, *(_or(t, x_rows) for t in (g_rows, more_rows, y_rows, dz_rows)),
-                                           mean, invstd, *(_or(t, out1) for t in (weight, bias)),
-                                           part, count, out1, out2, m, c, rows, stretches, momentum, eps,
-                                           BACKWARD=backward, RELU=relu, MORE=more_rows is not None,
-                                           Y_MASK=y_rows is not None, BLOCK_R=block_r, BLOCK_C=block_c,
-                                           STAGES=tiles.stages, num_warps=tiles.warps)
+    _bn_reduce_kernel[(programs, blocks)](x_rows, *(_or(t, x_rows) for t in (g_rows, more_rows, y_rows, dz_rows)),
+                                          mean, invstd, *(_or(t, out1) for t in (weight, bias)),
+                                          part, count, out1, out2, m, c, programs, momentum, eps,
+                                          BACKWARD=backward, RELU=relu, MORE=more_rows is not None,
+                                          Y_MASK=y_rows is not None, BLOCK_R=block_r, BLOCK_C=block_c,
+                                          STAGES=tiles.stages, num_warps=tiles.warps)
 
 
 @torch.library.custom_op("trainer::batch_norm_stats_", mutates_args=("running",))

@@ -49,7 +49,7 @@ def passes(channels: int):
         end = name.endswith("end")  # a shortcut's gradient added, the output's mask, the sum kept
         yield name, triton_ops._bn_reduce_kernel, dict(
             **common, more_ptr=half, y_ptr=half, dz_ptr=half, **statistics, part_ptr=single, count_ptr=counters,
-            out1_ptr=single, out2_ptr=single, M=802816, C=channels, rows=3072, stretches=264, momentum=0.1, eps=1e-5,
+            out1_ptr=single, out2_ptr=single, M=802816, C=channels, programs=264, momentum=0.1, eps=1e-5,
             BACKWARD=name != "statistics", RELU=name.endswith("ReLU"), MORE=end, Y_MASK=end, BLOCK_R=block_r,
             BLOCK_C=block_c, STAGES=tiles.stages), tiles
     tiles = triton_ops.BN_GRADIENT

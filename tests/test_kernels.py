@@ -397,7 +397,7 @@ def test_the_max_pool_kernel_inside_a_compiled_backward():
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-3, atol=1e-3, msg=name)
 
 
-# (N, C, H, W): one stretch of rows and one channel block; several stretches and channel
+# (N, C, H, W): one program's row tiles and one channel block; several programs and channel
 # blocks, the last ones partial; a few channels
 BN_SHAPES = [(3, 70, 5, 7), (8, 200, 12, 12), (16, 16, 9, 9)]
 
@@ -417,13 +417,21 @@ def batch_stats(x):
     return mean, var
 
 
+# tiles of a few rows, one program an SM: programs take unequal numbers of tiles, and the
+# last tile is partial in (3, 70, 5, 7)
+SMALL_TILES = triton_ops.BnTiles(64, 256, 4, per_sm=1, stages=2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF])
 @pytest.mark.parametrize("shape", BN_SHAPES)
-def test_batch_norm_stats(dtype, shape):
+@pytest.mark.parametrize("tiles", [None, SMALL_TILES])
+def test_batch_norm_stats(dtype, shape, tiles, monkeypatch):
     """Each channel's mean and inverse standard deviation against float64, where the values
     sit far from zero (the sums are shifted by the first row against cancellation) and the
     input is channels-last or not; the running statistics moved as nn.BatchNorm2d moves them
-    (toward the unbiased variance)."""
+    (toward the unbiased variance). With the tiles as set, or small ones."""
+    if tiles is not None:
+        monkeypatch.setattr(triton_ops, "BN_STATS", tiles)
     x = (rand(*shape, dtype=torch.float32) * 0.5 + 40).to(dtype)
     for layout in (torch.channels_last, torch.contiguous_format):
         running = torch.stack((rand(shape[1], seed=4), rand(shape[1], seed=5).abs() + 0.5))
@@ -461,13 +469,14 @@ def test_batch_norm_reductions_count_in_one_place_for_good():
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF])
 @pytest.mark.parametrize("shape", BN_SHAPES)
 @pytest.mark.parametrize("relu", [False, True])
-@pytest.mark.parametrize("gradient_tiles", [None, triton_ops.BnTiles(64, 256, 4, per_sm=1, stages=2)])
-def test_batch_norm_backward(dtype, shape, relu, gradient_tiles, monkeypatch):
+@pytest.mark.parametrize("tiles", [None, SMALL_TILES])
+def test_batch_norm_backward(dtype, shape, relu, tiles, monkeypatch):
     """The input's and both parameters' gradients against float64, with the ReLU's mask
-    found again from x (about half the elements are masked); the gradient pass as set, or
-    with one program a channel block looping over many small tiles."""
-    if gradient_tiles is not None:
-        monkeypatch.setattr(triton_ops, "BN_GRADIENT", gradient_tiles)
+    found again from x (about half the elements are masked); both passes with the tiles as
+    set, or with small ones, each program looping over many."""
+    if tiles is not None:
+        monkeypatch.setattr(triton_ops, "BN_SUMS", tiles)
+        monkeypatch.setattr(triton_ops, "BN_GRADIENT", tiles)
     x = rand(*shape, dtype=dtype).to(memory_format=torch.channels_last)
     grad_out = rand(*shape, seed=1, dtype=dtype).to(memory_format=torch.channels_last)
     mean, var = batch_stats(x)
