@@ -506,11 +506,12 @@ def _max_pool_grad(grad_out, arg, input_shape, channels_last, kernel, stride, pa
 # channel block; a reduction program sums its tiles, and the last program of a channel
 # block to finish adds up every program's partial sums, so each reduction is one launch
 # of about `per_sm` programs per SM. The reductions go over the tiles from the last and
-# the passes after them from the first, so that each reads first what L2 still holds: the
-# rows that the convolution before wrote last (as far as it writes in row order), then
-# the rows that the reduction read last. On an H200 that took ResNet-50 b256's step from
-# 29.7 to 29.4 ms; the other way round (each reduction program over a stretch of rows, the
-# pass after it back over the same stretch) it took 30.6 ms (docs/BENCHMARKS.md).
+# the passes after them from the first, so that a pass after a reduction reads first the
+# rows that the reduction read last, which L2 still holds. On two H200s that took
+# ResNet-50 b256's step from 29.7 to 29.4 ms and from 30.35 to 30.05 ms; the mirror image
+# (reductions from the first tile, the passes after them from the last) measured the same,
+# and a reduction program over a stretch of rows with the pass after it back over that
+# stretch 30.6 ms (docs/BENCHMARKS.md).
 class BnTiles(NamedTuple):
     channels: int
     elements: int
