@@ -486,8 +486,7 @@ def test_baseline_tensors_at_fixed_ids(amp, ema, fold_bn, optimizer):
     for plan in plans.plans.values():
         for id_, name, region, shape in BASELINE:
             t = plan[id_]
-            assert (t.id, t.name, t.region.name, t.shape, t.dtype) == (id_, name, region, shape,
-                                                                      REGION_DTYPE[region])
+            assert (t.id, t.name, t.region.name, t.shape, t.dtype) == (id_, name, region, shape, REGION_DTYPE[region])
         assert plan[Baseline.LOSS].name == "loss" and plan[Baseline.STEP].name == "step"
         assert plan[Baseline.OVERFLOW].name == "overflow" and plan[Baseline.LOSS_SCALE].name == "loss_scale"
 

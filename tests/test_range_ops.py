@@ -26,8 +26,8 @@ def test_optimizer_equals_torch_optim(name):
     h = hyper(lr=1e-3 if adam else 0.05, wd=1e-2)
     groups = decay_groups(ref, h.weight_decay)
     if adam:
-        opt = (torch.optim.Adam if name == "adam" else torch.optim.AdamW)(groups, lr=h.lr_weight, betas=(0.9, 0.999),
-                                                                            eps=1e-8)
+        adam_class = torch.optim.Adam if name == "adam" else torch.optim.AdamW
+        opt = adam_class(groups, lr=h.lr_weight, betas=(0.9, 0.999), eps=1e-8)
     else:
         opt = torch.optim.SGD(groups, lr=h.lr_weight, momentum=0.0 if name == "sgd" else 0.9,
                               nesterov=name == "nesterov")
