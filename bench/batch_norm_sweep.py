@@ -67,8 +67,9 @@ def backward(impl, inputs):
 
 
 def normalize(inputs):
-    """ms of every layer's normalization with a residual add (grad_out stands in for it) and the ReLU."""
-    return graph_ms(lambda: [triton_ops.batch_norm_apply(x, m, s, w, b, g, True) for g, x, m, s, w, b in inputs],
+    """ms of every layer's normalization with a residual add (grad_out stands in for it) and the ReLU, its
+    mask packed as a block's last BatchNorm writes it."""
+    return graph_ms(lambda: [triton_ops.batch_norm_apply(x, m, s, w, b, g, True, True) for g, x, m, s, w, b in inputs],
                     calls=2)
 
 

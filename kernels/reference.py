@@ -209,23 +209,43 @@ def batch_norm_stats_(x, running, momentum: float, eps: float):
     return mean, torch.rsqrt(var + eps)
 
 
-def batch_norm_apply(x, mean, invstd, weight, bias, residual, relu: bool):
+def batch_norm_apply(x, mean, invstd, weight, bias, residual, relu: bool, pack_mask: bool):
     """Training-mode BatchNorm's output from the batch's statistics, x * scale + shift
     (scale = weight * invstd, shift = bias - mean * scale), plus `residual` where one is
     given, then a ReLU when `relu`: computed in fp32 (or x's wider type), rounded once to
-    x's type, in x's layout."""
+    x's type, in x's layout. Returns it and, with pack_mask where the ReLU follows a
+    residual add, its mask packed for backward (_relu_mask), else None."""
     shape = (1, -1, 1, 1)
     scale = (weight * invstd).view(shape)
     y = _at_least_fp32(x) * scale + (bias.view(shape) - mean.view(shape) * scale)
     if residual is not None:
         y = y + residual
-    return (torch.relu(y) if relu else y).to(x.dtype)
+    y = (torch.relu(y) if relu else y).to(x.dtype)
+    return y, _relu_mask(y) if pack_mask and relu and residual is not None else None
+
+
+def _relu_mask(y):
+    """Which elements of a ReLU's output y pass its gradient (y > 0, or NaN, as
+    threshold_backward passes them), packed 8 channels a byte: (N*H*W, ceil(C / 8)) uint8
+    over y's channels-last rows, channel c at bit c % 8 of byte c // 8. A sixteenth of
+    a half y's bytes, which backward reads in place of y."""
+    rows = (~(y <= 0)).permute(0, 2, 3, 1).reshape(-1, y.shape[1])
+    rows = torch.nn.functional.pad(rows, (0, -y.shape[1] % 8)).view(len(rows), -1, 8)
+    bits = rows.to(torch.uint8) << torch.arange(8, dtype=torch.uint8, device=y.device)
+    return bits.sum(-1, dtype=torch.uint8)
+
+
+def _relu_unmask(mask, shape):
+    """_relu_mask's bits as a bool tensor of `shape` (N, C, H, W)."""
+    n, c, h, w = shape
+    bits = (mask[..., None] >> torch.arange(8, dtype=torch.uint8, device=mask.device)) & 1
+    return bits.view(len(mask), -1)[:, :c].reshape(n, h, w, c).permute(0, 3, 1, 2).bool()
 
 
 def batch_norm_max_pool(x, mean, invstd, weight, bias, kernel, stride, padding):
     """max_pool of batch_norm_apply's output with the ReLU and no residual: the stem of an
     ImageNet ResNet, whose normalized activation only the pool reads."""
-    return max_pool(batch_norm_apply(x, mean, invstd, weight, bias, None, True), kernel, stride, padding)
+    return max_pool(batch_norm_apply(x, mean, invstd, weight, bias, None, True, False)[0], kernel, stride, padding)
 
 
 def batch_norm_backward(grad_out, x, mean, invstd, weight, bias, relu: bool):
@@ -245,18 +265,21 @@ def batch_norm_backward(grad_out, x, mean, invstd, weight, bias, relu: bool):
     return grad_x.to(x.dtype), grad_weight, grad_bias
 
 
-def batch_norm_block_backward(grad_out, grad_shortcut, y, x, mean, invstd, weight, bias, relu: bool):
+def batch_norm_block_backward(grad_out, grad_shortcut, mask, x, mean, invstd, weight, bias, relu: bool):
     """batch_norm_backward for eager training's BatchNorm in a ResNet block (trainer.norm),
     whose output's gradient may come in two parts: grad_out, and grad_shortcut where the
     next block's identity shortcut hands its gradient back (or None), added in their type
     as autograd adds two gradients; and whose ReLU, where it follows the block's residual
-    add, takes its mask from the output y as threshold_backward does (zero where y <= 0,
-    NaN passes). Returns batch_norm_backward's gradients and, fourth, the gradient at the
-    residual add, which is the residual's: None where the ReLU comes right after the
-    BatchNorm (relu and y is None), so that there is no add. The caller gives up
-    grad_shortcut: an implementation may write the result over it."""
+    add, takes its mask from `mask`: the output y itself, or its mask as batch_norm_apply
+    packs it (_relu_mask, uint8); zero where y <= 0, NaN passes, as threshold_backward on
+    y. Returns batch_norm_backward's gradients and, fourth, the gradient at the residual
+    add, which is the residual's: None where the ReLU comes right after the BatchNorm (relu
+    and mask is None), so that there is no add. The caller gives up grad_shortcut: an
+    implementation may write the result over it."""
     g = grad_out if grad_shortcut is None else grad_out + grad_shortcut
-    if y is not None:
-        g = torch.ops.aten.threshold_backward(g, y, 0)
-    grad_x, grad_weight, grad_bias = batch_norm_backward(g, x, mean, invstd, weight, bias, relu and y is None)
-    return grad_x, grad_weight, grad_bias, None if relu and y is None else g
+    if mask is not None and mask.dtype == torch.uint8:
+        g = torch.where(_relu_unmask(mask, x.shape), g, 0)
+    elif mask is not None:
+        g = torch.ops.aten.threshold_backward(g, mask, 0)
+    grad_x, grad_weight, grad_bias = batch_norm_backward(g, x, mean, invstd, weight, bias, relu and mask is None)
+    return grad_x, grad_weight, grad_bias, None if relu and mask is None else g

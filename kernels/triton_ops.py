@@ -545,18 +545,46 @@ BN_NORMALIZE = BN_GRADIENT
 
 
 @triton.jit
-def _bn_reduce_kernel(x_ptr, g_ptr, more_ptr, y_ptr, dz_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, part_ptr, count_ptr,
-                      out1_ptr, out2_ptr, M, C, programs, momentum, eps, BACKWARD: tl.constexpr,
-                      RELU: tl.constexpr, MORE: tl.constexpr, Y_MASK: tl.constexpr, BLOCK_R: tl.constexpr,
-                      BLOCK_C: tl.constexpr, STAGES: tl.constexpr):
+def _mask_bytes(r, live_r, cb, C, BLOCK_C: tl.constexpr):
+    """Where the bytes of a packed ReLU mask (kernels.reference._relu_mask) for rows r and
+    channel block cb lie, and which of them exist."""
+    j = cb * (BLOCK_C // 8) + tl.arange(0, BLOCK_C // 8)
+    width = (C + 7) // 8
+    return r.to(tl.int64)[:, None] * width + j[None, :], live_r[:, None] & (j < width)[None, :]
+
+
+@triton.jit
+def _pack(mask_ptr, keep, r, live_r, cb, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Store keep, a (BLOCK_R, BLOCK_C) tile of 0s and 1s, 8 channels a byte."""
+    offs, live = _mask_bytes(r, live_r, cb, C, BLOCK_C)
+    bits = tl.reshape(keep.to(tl.int32), (BLOCK_R, BLOCK_C // 8, 8)) << tl.arange(0, 8)[None, None, :]
+    tl.store(mask_ptr + offs, tl.sum(bits, 2).to(tl.uint8), live)
+
+
+@triton.jit
+def _unpacked(mask_ptr, r, live_r, cb, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The (BLOCK_R, BLOCK_C) tile of a packed ReLU mask, True where the gradient passes."""
+    offs, live = _mask_bytes(r, live_r, cb, C, BLOCK_C)
+    packed = tl.load(mask_ptr + offs, live, other=0).to(tl.int32)
+    return tl.reshape((packed[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1, (BLOCK_R, BLOCK_C)) != 0
+
+
+@triton.jit
+def _bn_reduce_kernel(x_ptr, g_ptr, more_ptr, mask_ptr, dz_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, part_ptr,
+                      count_ptr, out1_ptr, out2_ptr, M, C, HW, programs, momentum, eps, BACKWARD: tl.constexpr,
+                      RELU: tl.constexpr, MORE: tl.constexpr, MASK: tl.constexpr, PER_IMAGE: tl.constexpr,
+                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr):
     """Per channel, over the rows. Forward: the sums of x - x[0] and of its square (shifted
     by the first row, against cancellation), finished as the mean and the inverse standard
     deviation, and the running mean and variance (at mean_ptr and invstd_ptr) moved toward
     the batch's by momentum. Backward: the sums of dz and of dz * (x - mean), finished as
-    the bias's and the weight's gradients; dz is grad_out (plus the gradient at more_ptr
-    when MORE, rounded to grad_out's type as autograd adds two) where the ReLU passed it:
-    by the output at y_ptr when Y_MASK (a ReLU after a residual add), else by x when RELU.
-    With MORE or Y_MASK, dz is stored at dz_ptr, for the gradient pass and the residual.
+    the bias's and the weight's gradients; dz is grad_out (one row per image of HW rows
+    when PER_IMAGE: a mean-pool's gradient; plus the gradient at more_ptr when MORE,
+    rounded to grad_out's type as autograd adds two) where the ReLU passed it: after a
+    residual add by the output's mask at mask_ptr, packed (MASK "packed") or as the output
+    itself (MASK "output", where y <= 0 stops it, NaN passes, as in threshold_backward),
+    else by x when RELU. With MORE or a MASK, dz is stored at dz_ptr, for the gradient pass
+    and the residual.
     Program i sums the row tiles last - i, last - i - programs, ... (BnTiles says why)."""
     i, cb = tl.program_id(0), tl.program_id(1)
     c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -578,15 +606,21 @@ def _bn_reduce_kernel(x_ptr, g_ptr, more_ptr, y_ptr, dz_ptr, mean_ptr, invstd_pt
         x = tl.load(x_ptr + offs, mask, other=0.0).to(tl.float32)
         xc = tl.where(mask, x - center[None, :], 0.0)
         if BACKWARD:
-            g = tl.load(g_ptr + offs, mask, other=0.0).to(tl.float32)
+            if PER_IMAGE:
+                g = tl.load(g_ptr + (r // HW).to(tl.int64)[:, None] * C + c[None, :], mask, other=0.0)
+            else:
+                g = tl.load(g_ptr + offs, mask, other=0.0)
+            g = g.to(tl.float32)
             if MORE:
                 g = (g + tl.load(more_ptr + offs, mask, other=0.0).to(tl.float32)).to(g_ptr.dtype.element_ty)
                 g = g.to(tl.float32)
-            if Y_MASK:  # as threshold_backward: NaN passes
-                g = tl.where(tl.load(y_ptr + offs, mask, other=0.0) <= 0, 0.0, g)
+            if MASK == "packed":
+                g = tl.where(_unpacked(mask_ptr, r, r < M, cb, C, BLOCK_R, BLOCK_C), g, 0.0)
+            elif MASK == "output":
+                g = tl.where(tl.load(mask_ptr + offs, mask, other=0.0) <= 0, 0.0, g)
             elif RELU:
                 g = tl.where(x * scale[None, :] + shift[None, :] > 0, g, 0.0)
-            if MORE or Y_MASK:
+            if MORE or MASK != "":
                 tl.store(dz_ptr + offs, g.to(dz_ptr.dtype.element_ty), mask)
             acc1 += g
             acc2 += g * xc
@@ -651,11 +685,14 @@ def _bn_backward_apply_kernel(x_ptr, g_ptr, dx_ptr, mean_ptr, invstd_ptr, w_ptr,
 
 
 @triton.jit
-def _bn_normalize_kernel(x_ptr, r_ptr, y_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, M, C, RESIDUAL: tl.constexpr,
-                         RELU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr):
+def _bn_normalize_kernel(x_ptr, r_ptr, y_ptr, mask_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, M, C,
+                         RESIDUAL: tl.constexpr, RELU: tl.constexpr, MASK: tl.constexpr, BLOCK_R: tl.constexpr,
+                         BLOCK_C: tl.constexpr, STAGES: tl.constexpr):
     """y = x * scale + shift (+ r), then max(y, 0) when RELU (NaN stays NaN, as torch.relu
-    keeps it), over every num_programs(0)-th row tile from program_id(0) on."""
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    keeps it), and with MASK y's packed ReLU mask at mask_ptr, over every num_programs(0)-th
+    row tile from program_id(0) on."""
+    cb = tl.program_id(1)
+    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     live = c < C
     scale, shift = _scale_shift(mean_ptr, invstd_ptr, w_ptr, b_ptr, c, live)
     scale, shift = scale[None, :], shift[None, :]
@@ -668,7 +705,10 @@ def _bn_normalize_kernel(x_ptr, r_ptr, y_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr
             y += tl.load(r_ptr + offs, mask, other=0.0).to(tl.float32)
         if RELU:
             y = tl.where(y < 0, 0.0, y)
-        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask)
+        y = y.to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + offs, y, mask)
+        if MASK:  # of y as stored, as threshold_backward would read it
+            _pack(mask_ptr, tl.where(y <= 0, 0, 1), r, r < M, cb, C, BLOCK_R, BLOCK_C)
 
 
 def _fp32(*params: torch.Tensor) -> list[torch.Tensor]:
@@ -702,22 +742,31 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     return _COUNTERS[device]
 
 
+def _mask_kind(mask) -> str:
+    """How _bn_reduce_kernel reads the ReLU's mask: "" (none), "packed" or "output"."""
+    return "" if mask is None else "packed" if mask.dtype == torch.uint8 else "output"
+
+
 def _bn_reduce(x_rows, g_rows, mean, invstd, weight, bias, out1, out2, relu: bool, backward: bool,
-               momentum: float = 0.0, eps: float = 0.0, more_rows=None, y_rows=None, dz_rows=None):
+               momentum: float = 0.0, eps: float = 0.0, more_rows=None, mask=None, dz_rows=None):
     """One launch of _bn_reduce_kernel, each program over every programs-th tile. The
     forward pass passes the running mean and variance as mean and invstd, and None for what
-    only backward reads; backward passes dz_rows where it has more_rows or y_rows."""
+    only backward reads; backward passes dz_rows where it has more_rows or a mask (the
+    packed mask, uint8, or the output's rows), and g_rows with a row per image where the
+    gradient is a mean-pool's."""
     m, c = x_rows.shape
     tiles = BN_SUMS if backward else BN_STATS
     block_r, block_c, programs, blocks = tiles.grid(x_rows)
     part = torch.empty((programs, 2, c), dtype=torch.float32, device=x_rows.device)
     count = _counters(x_rows.device, blocks)
-    _bn_reduce_kernel[(programs, blocks)](x_rows, *(_or(t, x_rows) for t in (g_rows, more_rows, y_rows, dz_rows)),
+    per_image = g_rows is not None and len(g_rows) != m
+    _bn_reduce_kernel[(programs, blocks)](x_rows, *(_or(t, x_rows) for t in (g_rows, more_rows, mask, dz_rows)),
                                           mean, invstd, *(_or(t, out1) for t in (weight, bias)),
-                                          part, count, out1, out2, m, c, programs, momentum, eps,
-                                          BACKWARD=backward, RELU=relu, MORE=more_rows is not None,
-                                          Y_MASK=y_rows is not None, BLOCK_R=block_r, BLOCK_C=block_c,
-                                          STAGES=tiles.stages, num_warps=tiles.warps)
+                                          part, count, out1, out2, m, c, m // len(g_rows) if per_image else 1,
+                                          programs, momentum, eps, BACKWARD=backward, RELU=relu,
+                                          MORE=more_rows is not None, MASK=_mask_kind(mask), PER_IMAGE=per_image,
+                                          BLOCK_R=block_r, BLOCK_C=block_c, STAGES=tiles.stages,
+                                          num_warps=tiles.warps)
 
 
 @torch.library.custom_op("trainer::batch_norm_stats_", mutates_args=("running",))
@@ -742,17 +791,21 @@ def _(x, running, momentum, eps):
     return x.new_empty(x.shape[1], dtype=torch.float32), x.new_empty(x.shape[1], dtype=torch.float32)
 
 
-def batch_norm_apply(x, mean, invstd, weight, bias, residual, relu: bool):
-    """kernels.reference.batch_norm_apply in one pass over x (and the residual); the
-    output is channels-last. Eager training's normalization: inductor fuses its own."""
+def batch_norm_apply(x, mean, invstd, weight, bias, residual, relu: bool, pack_mask: bool):
+    """kernels.reference.batch_norm_apply in one pass over x (and the residual), the mask
+    packed in the same pass; the output is channels-last. Eager training's normalization:
+    inductor fuses its own."""
     x_rows = _rows(x)
     y = torch.empty_like(x, memory_format=torch.channels_last)
+    mask = (torch.empty((len(x_rows), triton.cdiv(x.shape[1], 8)), dtype=torch.uint8, device=x.device)
+            if pack_mask and relu and residual is not None else None)
     block_r, block_c, programs, blocks = BN_NORMALIZE.grid(x_rows)
     _bn_normalize_kernel[(programs, blocks)](
-        x_rows, x_rows if residual is None else _rows(residual), _rows(y), mean, invstd, *_fp32(weight, bias),
-        len(x_rows), x.shape[1], RESIDUAL=residual is not None, RELU=relu,
-        BLOCK_R=block_r, BLOCK_C=block_c, STAGES=BN_NORMALIZE.stages, num_warps=BN_NORMALIZE.warps)
-    return y
+        x_rows, x_rows if residual is None else _rows(residual), _rows(y), _or(mask, x_rows), mean, invstd,
+        *_fp32(weight, bias), len(x_rows), x.shape[1], RESIDUAL=residual is not None, RELU=relu,
+        MASK=mask is not None, BLOCK_R=block_r, BLOCK_C=block_c, STAGES=BN_NORMALIZE.stages,
+        num_warps=BN_NORMALIZE.warps)
+    return y, mask
 
 
 @torch.library.custom_op("trainer::batch_norm_backward", mutates_args=())
@@ -765,36 +818,36 @@ def batch_norm_backward(grad_out: torch.Tensor, x: torch.Tensor, mean: torch.Ten
     return _backward(grad_out, None, None, x, mean, invstd, weight, bias, relu)[:3]
 
 
-def batch_norm_block_backward(grad_out, grad_shortcut, y, x, mean, invstd, weight, bias, relu: bool):
+def batch_norm_block_backward(grad_out, grad_shortcut, mask, x, mean, invstd, weight, bias, relu: bool):
     """kernels.reference.batch_norm_block_backward in batch_norm_backward's two passes: the
-    first adds grad_shortcut, applies y's mask and keeps the result, which the second reads
-    in place of grad_out; where there is nothing to add or mask, batch_norm_backward's.
+    first adds grad_shortcut, applies the mask (packed, or the output) and keeps the result,
+    which the second reads in place of grad_out; where there is nothing to add or mask,
+    batch_norm_backward's.
     The result goes over grad_shortcut (channels-last), which the caller gives up: one
-    tensor fewer alive, where backward's memory peaks."""
-    if y is not None and grad_shortcut is None and not grad_out.is_contiguous(memory_format=torch.channels_last):
-        # a broadcast gradient, as a mean-pool's backward gives: ATen masks it into a new
-        # channels-last tensor in the pass a copy would take, and that is the result to keep
-        grad_z = torch.ops.aten.threshold_backward(grad_out, y, 0)
-        return *_backward(grad_z, None, None, x, mean, invstd, weight, bias, False)[:3], grad_z
-    grad_x, grad_weight, grad_bias, grad_z = _backward(grad_out, grad_shortcut, y, x, mean, invstd, weight, bias, relu)
-    return grad_x, grad_weight, grad_bias, None if relu and y is None else grad_z
+    tensor fewer alive, where backward's memory peaks. A mean-pool's gradient, broadcast
+    over (H, W), is read as it is, a value per image and channel: no copy of it either."""
+    grad_x, grad_weight, grad_bias, grad_z = _backward(grad_out, grad_shortcut, mask, x, mean, invstd, weight, bias,
+                                                       relu)
+    return grad_x, grad_weight, grad_bias, None if relu and mask is None else grad_z
 
 
-def _backward(grad_out, grad_shortcut, y, x, mean, invstd, weight, bias, relu: bool):
-    x_rows, g_rows = _rows(x), _rows(grad_out)
+def _backward(grad_out, grad_shortcut, mask, x, mean, invstd, weight, bias, relu: bool):
+    x_rows = _rows(x)
+    broadcast = mask is not None and grad_shortcut is None and grad_out.stride(2) == grad_out.stride(3) == 0
+    g_rows = grad_out[:, :, 0, 0].contiguous() if broadcast else _rows(grad_out)
     grad_x = torch.empty_like(x, memory_format=torch.channels_last)
     grad_weight = torch.empty(x.shape[1], dtype=torch.float32, device=x.device)
     grad_bias = torch.empty_like(grad_weight)
     weight, bias = _fp32(weight, bias)
-    kept = grad_shortcut is not None or y is not None  # the first pass stores dz
+    kept = grad_shortcut is not None or mask is not None  # the first pass stores dz
     if grad_shortcut is not None:
         grad_z = grad_shortcut.contiguous(memory_format=torch.channels_last)
     else:
-        grad_z = torch.empty_like(grad_out, memory_format=torch.channels_last) if kept else grad_out
+        grad_z = torch.empty_like(x, dtype=grad_out.dtype, memory_format=torch.channels_last) if kept else grad_out
     z_rows = _rows(grad_z) if kept else g_rows
-    _bn_reduce(x_rows, g_rows, mean, invstd, weight, bias, grad_bias, grad_weight, relu=relu and y is None,
+    _bn_reduce(x_rows, g_rows, mean, invstd, weight, bias, grad_bias, grad_weight, relu=relu and mask is None,
                backward=True, more_rows=None if grad_shortcut is None else z_rows,
-               y_rows=None if y is None else _rows(y), dz_rows=z_rows if kept else None)
+               mask=mask if _mask_kind(mask) != "output" else _rows(mask), dz_rows=z_rows if kept else None)
     block_r, block_c, programs, blocks = BN_GRADIENT.grid(x_rows)
     _bn_backward_apply_kernel[(programs, blocks)](
         x_rows, z_rows, _rows(grad_x), mean, invstd, weight, bias, grad_bias, grad_weight, len(x_rows),

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels import triton_ops  # noqa: E402
 
 CHANNELS = (64, 256, 2048)
-KINDS = {torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32"}
+KINDS = {torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32", torch.uint8: "*u8"}
 
 
 def compile_for_h200(kernel, args: dict, warps: int):
@@ -41,6 +41,7 @@ def compile_for_h200(kernel, args: dict, warps: int):
 def passes(channels: int):
     """(name, kernel, arguments, tiles) of each pass at ResNet-50's 56x56 maps, batch 256."""
     half, single, counters = torch.empty(1, dtype=torch.float16), torch.empty(1), torch.empty(1, dtype=torch.int32)
+    packed = torch.empty(1, dtype=torch.uint8)  # a ReLU mask, 8 channels a byte
     common = dict(x_ptr=half, g_ptr=half)
     statistics = dict(mean_ptr=single, invstd_ptr=single, w_ptr=single, b_ptr=single)
     for name, tiles in (("statistics", triton_ops.BN_STATS), ("sums", triton_ops.BN_SUMS),
@@ -48,10 +49,11 @@ def passes(channels: int):
         block_r, block_c = tiles.block(channels)
         end = name.endswith("end")  # a shortcut's gradient added, the output's mask, the sum kept
         yield name, triton_ops._bn_reduce_kernel, dict(
-            **common, more_ptr=half, y_ptr=half, dz_ptr=half, **statistics, part_ptr=single, count_ptr=counters,
-            out1_ptr=single, out2_ptr=single, M=802816, C=channels, programs=264, momentum=0.1, eps=1e-5,
-            BACKWARD=name != "statistics", RELU=name.endswith("ReLU"), MORE=end, Y_MASK=end, BLOCK_R=block_r,
-            BLOCK_C=block_c, STAGES=tiles.stages), tiles
+            **common, more_ptr=half, mask_ptr=packed, dz_ptr=half, **statistics, part_ptr=single,
+            count_ptr=counters, out1_ptr=single, out2_ptr=single, M=802816, C=channels, HW=1, programs=264,
+            momentum=0.1, eps=1e-5, BACKWARD=name != "statistics", RELU=name.endswith("ReLU"), MORE=end,
+            MASK="packed" if end else "",
+            PER_IMAGE=False, BLOCK_R=block_r, BLOCK_C=block_c, STAGES=tiles.stages), tiles
     tiles = triton_ops.BN_GRADIENT
     block_r, block_c = tiles.block(channels)
     yield "gradient", triton_ops._bn_backward_apply_kernel, dict(
@@ -60,8 +62,8 @@ def passes(channels: int):
     tiles = triton_ops.BN_NORMALIZE
     block_r, block_c = tiles.block(channels)
     yield "normalization", triton_ops._bn_normalize_kernel, dict(
-        x_ptr=half, r_ptr=half, y_ptr=half, **statistics, M=802816, C=channels, RESIDUAL=True, RELU=True,
-        BLOCK_R=block_r, BLOCK_C=block_c, STAGES=tiles.stages), tiles
+        x_ptr=half, r_ptr=half, y_ptr=half, mask_ptr=packed, **statistics, M=802816, C=channels, RESIDUAL=True,
+        RELU=True, MASK=True, BLOCK_R=block_r, BLOCK_C=block_c, STAGES=tiles.stages), tiles
 
 
 def main():

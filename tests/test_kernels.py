@@ -303,7 +303,7 @@ def test_batch_norm_max_pool(dtype):
     weight[0] = -1.0
     norm = (dyadic(-4, 5, 0.25), 2.0 ** dyadic(-1, 2, 1), weight, dyadic(-4, 5, 0.125))
     window = ([3, 3], [2, 2], [1, 1])
-    want = triton_ops.max_pool(triton_ops.batch_norm_apply(x, *norm, None, True), *window)
+    want = triton_ops.max_pool(triton_ops.batch_norm_apply(x, *norm, None, True, False)[0], *window)
     for impl in (reference, triton_ops):
         got = impl.batch_norm_max_pool(x, *norm, *window)
         torch.testing.assert_close(got[0], want[0], rtol=0, atol=0, equal_nan=True)
@@ -403,8 +403,8 @@ BN_SHAPES = [(3, 70, 5, 7), (8, 200, 12, 12), (16, 16, 9, 9)]
 
 
 def truth(fn, *args):
-    """The reference computed in float64."""
-    return getattr(reference, fn)(*[a.double() if torch.is_tensor(a) else a for a in args])
+    """The reference computed in float64 (a packed ReLU mask as it is)."""
+    return getattr(reference, fn)(*[a.double() if torch.is_tensor(a) and a.is_floating_point() else a for a in args])
 
 
 def rel_err(got, want):
@@ -494,17 +494,20 @@ def test_batch_norm_backward(dtype, shape, relu, tiles, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF])
 @pytest.mark.parametrize("shape", BN_SHAPES)
 @pytest.mark.parametrize("shortcut", [False, True])
-@pytest.mark.parametrize("relu", ["none", "x", "y"], ids=["no-relu", "relu", "relu-after-add"])
+@pytest.mark.parametrize("relu", ["none", "x", "y", "packed"],
+                         ids=["no-relu", "relu", "relu-after-add", "relu-after-add-packed"])
 def test_batch_norm_block_backward(dtype, shape, shortcut, relu):
     """The block BatchNorm's backward against float64: grad_out plus the gradient a later
-    shortcut hands back (in their type, as autograd adds them), masked by the output after a
-    residual add or by x; the input's and parameters' gradients, and the residual's (None
-    where the ReLU comes right after the BatchNorm), written over the handed-back gradient."""
+    shortcut hands back (in their type, as autograd adds them), masked after a residual add
+    by the output or its packed mask, or by x; the input's and parameters' gradients, and
+    the residual's (None where the ReLU comes right after the BatchNorm), written over the
+    handed-back gradient."""
     c = shape[1]
     x = rand(*shape, dtype=dtype).to(memory_format=torch.channels_last)
     grad_out = rand(*shape, seed=1, dtype=dtype).to(memory_format=torch.channels_last)
     more = rand(*shape, seed=4, dtype=dtype).to(memory_format=torch.channels_last) if shortcut else None
-    y = rand(*shape, seed=5, dtype=dtype).to(memory_format=torch.channels_last) if relu == "y" else None
+    y = rand(*shape, seed=5, dtype=dtype).to(memory_format=torch.channels_last)
+    y = {"y": y, "packed": reference._relu_mask(y)}.get(relu)
     mean, var = batch_stats(x)
     args = (grad_out, more, y, x, mean.float(), torch.rsqrt(var + 1e-5).float(), rand(c, seed=2).abs() + 0.5,
             rand(c, seed=3) * 0.1, relu != "none")
@@ -520,7 +523,7 @@ def test_batch_norm_block_backward(dtype, shape, shortcut, relu):
     for g, w in zip(got, want):
         if w is not None:
             assert g.dtype == (dtype if g.dim() == 4 else torch.float32) and rel_err(g, w) < tolerance
-    if relu == "y":  # the output's mask, not x's
+    if y is not None:  # the output's mask, not x's
         assert rel_err(got[1], truth("batch_norm_block_backward", *args[:2], None, *args[3:])[1]) > 0.1
     if shortcut:
         assert rel_err(got[2], truth("batch_norm_block_backward", args[0], None, *args[2:])[2]) > 0.1
@@ -540,13 +543,15 @@ def aten_ops(fn, *args):
         return fn(*args), seen
 
 
-def test_the_block_batch_norm_backward_of_a_mean_pools_gradient():
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_block_batch_norm_backward_of_a_mean_pools_gradient(packed):
     """The last block's BatchNorm gets a mean-pool's gradient, broadcast over (H, W): its
-    backward matches float64 and keeps the masked gradient channels-last, with no copy of
-    the broadcast one (the step's peak memory is at its start)."""
+    backward matches float64 and keeps the masked gradient channels-last, reading the
+    broadcast one as it is, with no copy (the step's peak memory is at its start)."""
     x = rand(4, 16, 5, 5).to(memory_format=torch.channels_last)
     y = rand(4, 16, 5, 5, seed=5).to(memory_format=torch.channels_last)
-    grad_out = rand(4, 16, 1, 1, seed=1).expand(4, 16, 5, 5) / 25
+    y = reference._relu_mask(y) if packed else y
+    grad_out = (rand(4, 16, 1, 1, seed=1) / 25).expand(4, 16, 5, 5)  # as MeanPool2d gives it
     mean, var = batch_stats(x)
     args = (grad_out, None, y, x, mean.float(), torch.rsqrt(var + 1e-5).float(), rand(16, seed=2).abs() + 0.5,
             rand(16, seed=3) * 0.1, True)
@@ -556,14 +561,36 @@ def test_the_block_batch_norm_backward_of_a_mean_pools_gradient():
     assert all(rel_err(g, w) < 1e-5 for g, w in zip(got, want))
 
 
-@pytest.mark.parametrize("stem, size", [("cifar", 16), ("imagenet", 64)])
-def test_a_block_hands_its_shortcuts_gradient_to_the_batch_norm_before_it(stem, size):
+def test_the_mean_pool_gives_its_gradient_broadcast():
+    """MeanPool2d, which eager training's BatchNorm kernels put in place of a mean-pool to
+    (1, 1): nn.AdaptiveAvgPool2d's output, and its input's gradient as a value per image and
+    channel broadcast over (H, W), which the last block's BatchNorm reads as it is."""
+    from trainer.models import build_model
+    from trainer.norm import use_batch_norm_kernels
+    from trainer.pooling import MeanPool2d
+    model = build_model("resnet18", 10, stem="cifar").to(DEVICE)
+    use_batch_norm_kernels(model, reference, normalize=True)
+    assert type(model.avgpool) is MeanPool2d
+    x = rand(4, 8, 5, 5).to(memory_format=torch.channels_last).requires_grad_()
+    seen = []
+    h = x * 1
+    h.register_hook(seen.append)
+    y = model.avgpool(h)
+    torch.testing.assert_close(y, torch.nn.AdaptiveAvgPool2d(1)(x), rtol=1e-6, atol=1e-7)
+    y.backward(rand(4, 8, 1, 1, seed=1))
+    assert seen[0].stride()[2:] == (0, 0)
+    torch.testing.assert_close(x.grad, rand(4, 8, 1, 1, seed=1).expand(4, 8, 5, 5) / 25)
+
+
+@pytest.mark.parametrize("stem, size, pack", [("cifar", 16, True), ("imagenet", 64, True), ("cifar", 16, False)])
+def test_a_block_hands_its_shortcuts_gradient_to_the_batch_norm_before_it(stem, size, pack):
     """Eager training (the Triton kernels, Triton's interpreter here): a ResNet-18 runs its
     backward with no add of its own where a block reads a BatchNorm's output (each block's
     shortcut, the identity or a downsampling convolution, hands its gradient to that
     BatchNorm): with the CIFAR stem, and with the ImageNet one, whose BatchNorm, ReLU and
     max-pool are one pass that takes the first block's shortcut gradient into the pool's
-    backward. No ReLU mask but the last block's. The plain model's gradients."""
+    backward. No ReLU mask of ATen's either: each block's end reads the mask its
+    normalization packed, or its output. The plain model's gradients."""
     import copy
 
     from trainer.models import build_model
@@ -573,37 +600,59 @@ def test_a_block_hands_its_shortcuts_gradient_to_the_batch_norm_before_it(stem, 
     plain = build_model("resnet18", 10, stem=stem).to(DEVICE)
     swapped = copy.deepcopy(plain)
     use_max_pool_kernel(swapped, triton_ops)
-    use_batch_norm_kernels(swapped, triton_ops, normalize=True)
+    use_batch_norm_kernels(swapped, triton_ops, normalize=True, pack_masks=pack)
     x = rand(4, 3, size, size)
     for model in (plain, swapped):
         with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):  # TF32 convolutions differ by 1e-4 and more
             _, seen = aten_ops(lambda: model(x).square().sum().backward())
-    # one mask: the last block's, whose gradient is the mean-pool's, broadcast
-    assert seen.count(torch.ops.aten.threshold_backward.default) == 1
+    assert torch.ops.aten.threshold_backward.default not in seen
     assert torch.ops.aten.add.Tensor not in seen
     assert torch.ops.trainer.max_pool.default not in seen
     for (name, p), q in zip(plain.named_parameters(), swapped.parameters()):
         assert rel_err(q.grad, p.grad) < 1e-4, name
 
 
+@pytest.mark.parametrize("shape", BN_SHAPES)
+def test_a_packed_relu_mask_passes_what_threshold_backward_passes(shape):
+    """The reference's packed ReLU mask (a byte per 8 channels, the last byte of a row
+    partly used where C is no multiple of 8), unpacked, gates a gradient as
+    threshold_backward on the output does: zero where y <= 0, NaN y passing it; and it takes
+    a sixteenth of a half output's bytes."""
+    y = torch.relu(rand(*shape, dtype=torch.float16))
+    y[0, 1, 2, 3], y[1, 0, 0, 0] = float("nan"), -0.0
+    grad = rand(*shape, seed=1, dtype=torch.float16)
+    for layout in (torch.channels_last, torch.contiguous_format):
+        mask = reference._relu_mask(y.contiguous(memory_format=layout))
+        assert mask.dtype == torch.uint8 and mask.shape == (shape[0] * shape[2] * shape[3], -(-shape[1] // 8))
+        got = torch.where(reference._relu_unmask(mask, shape), grad, 0)
+        assert torch.equal(got, torch.ops.aten.threshold_backward(grad, y, 0))
+    assert (got == 0).float().mean() > 0.3 and got[0, 1, 2, 3] == grad[0, 1, 2, 3]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF])
 @pytest.mark.parametrize("shape", BN_SHAPES)
 @pytest.mark.parametrize("relu", [False, True])
 @pytest.mark.parametrize("residual", [False, True])
-def test_batch_norm_apply(dtype, shape, relu, residual):
+@pytest.mark.parametrize("pack", [False, True])
+def test_batch_norm_apply(dtype, shape, relu, residual, pack):
     """The normalization, with a residual added and a ReLU after it or not, against float64
     from inputs in either layout: channels-last out, rounded once to x's type, a NaN kept
-    through the ReLU as torch.relu keeps it."""
+    through the ReLU as torch.relu keeps it; after a residual add and the ReLU, where asked
+    for, the packed mask of the output, which passes the NaN."""
     c = shape[1]
     x = rand(*shape, dtype=dtype)
     mean, var = batch_stats(x)
     x[0, 0, 0, 0] = float("nan")
     res = rand(*shape, seed=1, dtype=dtype).to(memory_format=torch.channels_last) if residual else None
-    args = (mean.float(), torch.rsqrt(var + 1e-5).float(), rand(c, seed=2).abs() + 0.5, rand(c, seed=3), res, relu)
+    args = (mean.float(), torch.rsqrt(var + 1e-5).float(), rand(c, seed=2).abs() + 0.5, rand(c, seed=3), res, relu,
+            pack)
     for layout in (torch.channels_last, torch.contiguous_format):
-        got = triton_ops.batch_norm_apply(x.contiguous(memory_format=layout), *args)
-        want = truth("batch_norm_apply", x, *args)
+        got, mask = triton_ops.batch_norm_apply(x.contiguous(memory_format=layout), *args)
+        want = truth("batch_norm_apply", x, *args)[0]
         assert got.dtype == dtype and got.is_contiguous(memory_format=torch.channels_last)
+        assert (mask is None) == (not (pack and relu and residual))
+        if mask is not None:
+            assert torch.equal(mask, reference._relu_mask(got)) and reference._relu_unmask(mask, shape)[0, 0, 0, 0]
         assert got[0, 0, 0, 0].isnan() and want[0, 0, 0, 0].isnan()
         got, want = got.double().flatten()[1:], want.flatten()[1:]
         tolerance = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]

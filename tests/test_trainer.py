@@ -315,19 +315,22 @@ def test_set_up_runs_the_ema_switch_and_restores_the_weights(tmp_path, monkeypat
 
 
 def test_triton_kernels_train_like_torch_kernels(tmp_path):
-    """kernels=triton (Triton's interpreter on the CPU) against kernels=torch, a short run.
-    (On a GPU: tests/test_gpu.py.)"""
+    """kernels=triton (Triton's interpreter on the CPU) against kernels=torch, a short run:
+    the residual blocks' ReLU masks packed, and read from their outputs
+    (model.pack_relu_masks=false). (On a GPU: tests/test_gpu.py.)"""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     states = []
-    for kernels in ("torch", "triton"):
-        out = subprocess.run(command(tmp_path / kernels, "device=cpu", f"kernels={kernels}", "optimizer=lars", "ema=true",
-                                     "trainer.epochs=1", *TINY), capture_output=True, text=True, cwd=tmp_path,
+    for name, kernels, *more in (("torch", "torch"), ("triton", "triton"),
+                                 ("outputs", "triton", "model.pack_relu_masks=false")):
+        out = subprocess.run(command(tmp_path / name, "device=cpu", f"kernels={kernels}", "optimizer=lars", "ema=true",
+                                     "trainer.epochs=1", *more, *TINY), capture_output=True, text=True, cwd=tmp_path,
                              timeout=300, env=env)
         assert out.returncode == 0, out.stdout + out.stderr
-        states.append(checkpoint.read(tmp_path / kernels)["regions"])
+        states.append(checkpoint.read(tmp_path / name)["regions"])
     for name in ("W_BN_BIAS", "W_DEEP_CONV", "M_DEEP_CONV", "E_DEEP_CONV"):
-        a, b = (s[name].view(torch.float32) for s in states)
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+        torch_run, *triton_runs = (s[name].view(torch.float32) for s in states)
+        for run in triton_runs:
+            torch.testing.assert_close(run, torch_run, rtol=1e-4, atol=1e-5, msg=name)
 
 
 FREEZE = ["trainer.first_conv_freeze_epochs=1", "trainer.stem_norm_freeze_epochs=2", "optimizer=nesterov",
@@ -611,21 +614,25 @@ def test_set_up_gives_the_stem_pool_the_kernels_backward():
     assert [(t.dtype, t.shape) for t in y.grad_fn.saved_tensors] == [(torch.int8, (2 * 8 * 8, 64))]
 
 
-@pytest.mark.parametrize("compile_, kernels", [
-    (False, "torch"), (True, "torch"),
-    pytest.param(False, "triton", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter "
-                                                           "serves the CPU; on a GPU tests/test_gpu.py runs them"))])
-def test_set_up_gives_batch_norm_the_kernels_where_they_are_faster(compile_, kernels, monkeypatch):
+@pytest.mark.parametrize("compile_, kernels, pack", [
+    (False, "torch", True), (True, "torch", True),
+    *(pytest.param(False, "triton", pack, marks=pytest.mark.skipif(
+        torch.cuda.is_available(), reason="Triton's interpreter serves the CPU; on a GPU tests/test_gpu.py runs them"))
+      for pack in (True, False))])
+def test_set_up_gives_batch_norm_the_kernels_where_they_are_faster(compile_, kernels, pack, monkeypatch):
     """With inductor to fuse the normalization, BatchNorm's statistics and backward come
     from the run's kernels and the blocks' ReLUs and residual adds are folded into their
     BatchNorms. Without it the Triton kernels (Triton's interpreter here) normalize, add
-    and apply the ReLU too, in one pass; the torch reference's form would be slower than
-    ATen's BatchNorm, which stays."""
+    and apply the ReLU too, in one pass, keeping the ReLU's mask packed as
+    model.pack_relu_masks says, and the mean-pool gives its gradient broadcast; the torch
+    reference's form would be slower than ATen's BatchNorm, which stays."""
     from trainer.norm import BatchNorm2d, Bottleneck
+    from trainer.pooling import MeanPool2d
     from trainer.setup import assemble
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     model = assemble(config(*TINY, "model=resnet50", "data.resolution=32", f"compile={str(compile_).lower()}",
-                            f"kernels={kernels}"), torch.device("cpu")).model
+                            f"kernels={kernels}", f"model.pack_relu_masks={str(pack).lower()}"),
+                     torch.device("cpu")).model
     swapped = compile_ or kernels == "triton"
     norms = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
     assert len(norms) == 53 and all((type(m) is BatchNorm2d) == swapped for m in norms)
@@ -633,7 +640,8 @@ def test_set_up_gives_batch_norm_the_kernels_where_they_are_faster(compile_, ker
     if swapped:
         assert model.bn1.relu and model.layer1[0].bn3.relu
         assert model.bn1.kernels.__name__ == {"torch": "kernels.reference", "triton": "kernels.triton_ops"}[kernels]
-        assert all(m.normalize == (not compile_) for m in norms)
+        assert all(m.normalize == (not compile_) and m.pack_masks == pack for m in norms)
+    assert (type(model.avgpool) is MeanPool2d) == (swapped and not compile_)
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -37,11 +37,12 @@ class CifarResNet(nn.Module):
                 blocks.append(BasicBlock(cin, cout, 2 if stage and i == 0 else 1))
                 cin = cout
         self.layers = nn.Sequential(*blocks)
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(cin, num_classes)
 
     def forward(self, x):
         x = self.layers(torch.relu(self.bn1(self.conv1(x))))
-        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
 class BiasBatchNorm(nn.BatchNorm2d):

@@ -12,12 +12,13 @@ stem's BatchNorm, ReLU and max-pool are one pass."""
 import torch
 import torchvision
 from torch import nn
+from torch.nn.modules.utils import _pair
 
 from kernels.reference import memory_format
 from trainer import models
 from trainer.binding import norm_output
 from trainer.errors import PlanError
-from trainer.pooling import MaxPool2d
+from trainer.pooling import MaxPool2d, MeanPool2d
 
 
 class _BatchNorm(torch.autograd.Function):
@@ -43,7 +44,9 @@ class _BatchNorm(torch.autograd.Function):
 class _NormalizedBatchNorm(torch.autograd.Function):
     """Eager training's BatchNorm: the normalization, the residual add and the ReLU in one
     pass of the kernels' batch_norm_apply. Backward finds the ReLU's mask again from x,
-    or, after a residual add, from the output, which the next layer keeps anyway.
+    or, after a residual add, reads it packed 8 channels a byte, as that pass wrote it
+    (`pack`: a sixteenth of the bytes, and as much more memory), or from the output,
+    which the next layer keeps anyway.
 
     A block's input, the output of the BatchNorm before it (the previous block's last, or
     the stem's), has two gradients: its first convolution's, and its shortcut's (the
@@ -54,9 +57,10 @@ class _NormalizedBatchNorm(torch.autograd.Function):
     The edge stays, so the node's backward still waits for the shortcut's."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, mean, invstd, residual, relu, kernels):
-        y = kernels.batch_norm_apply(x, mean, invstd, weight, bias, residual, relu)
-        ctx.save_for_backward(x, weight, bias, mean, invstd, y if residual is not None and relu else None)
+    def forward(ctx, x, weight, bias, mean, invstd, residual, relu, kernels, pack):
+        y, mask = kernels.batch_norm_apply(x, mean, invstd, weight, bias, residual, relu, pack)
+        ctx.save_for_backward(x, weight, bias, mean, invstd, y if mask is None and residual is not None and relu
+                              else mask)
         ctx.relu, ctx.backward = relu, kernels.batch_norm_block_backward
         # where the residual's gradient goes: a new tensor with the ReLU after the add, which
         # the receiving backward may overwrite (batch_norm_block_backward)
@@ -66,14 +70,14 @@ class _NormalizedBatchNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight, bias, mean, invstd, y = ctx.saved_tensors
+        x, weight, bias, mean, invstd, mask = ctx.saved_tensors
         grad_out, grad_shortcut = _output_gradients(ctx, grad_out)
-        grad_x, grad_weight, grad_bias, grad_z = ctx.backward(grad_out, grad_shortcut, y, x, mean, invstd, weight,
+        grad_x, grad_weight, grad_bias, grad_z = ctx.backward(grad_out, grad_shortcut, mask, x, mean, invstd, weight,
                                                               bias, ctx.relu)
         if ctx.source is not None:
             hand_back(ctx.source, grad_z)
         return (grad_x, grad_weight.to(weight.dtype), grad_bias.to(bias.dtype), None, None,
-                grad_z if ctx.needs_input_grad[5] and ctx.source is None else None, None, None)
+                grad_z if ctx.needs_input_grad[5] and ctx.source is None else None, None, None, None)
 
 
 class _PooledBatchNorm(torch.autograd.Function):
@@ -183,7 +187,7 @@ class BatchNorm2d(nn.BatchNorm2d):
             return _PooledBatchNorm.apply(x, self.weight, self.bias, mean, invstd, self.kernels, self.pool)
         if self.normalize:
             return _NormalizedBatchNorm.apply(x, self.weight, self.bias, mean, invstd, residual, self.relu,
-                                              self.kernels)
+                                              self.kernels, self.pack_masks)
         # backward finds the ReLU's mask again from x only where no residual add comes before it
         y = _BatchNorm.apply(x, self.weight, self.bias, mean, invstd, self.relu and residual is None,
                              self.kernels.batch_norm_backward)
@@ -221,17 +225,19 @@ _FUSED = {torchvision.models.resnet.Bottleneck: (Bottleneck, ("bn1", "bn2", "bn3
           models.BasicBlock: (CifarBlock, ("bn1", "bn2"))}
 
 
-def use_batch_norm_kernels(model: nn.Module, kernels, normalize: bool = False) -> int:
+def use_batch_norm_kernels(model: nn.Module, kernels, normalize: bool = False, pack_masks: bool = True) -> int:
     """Give the model's nn.BatchNorm2d modules the kernels' statistics and backward, and
     with `normalize` their normalization too (for eager training: without inductor to fuse
     it); fold each ReLU that a ResNet block (or torchvision's stem) applies right after one,
     and each block's residual add, into it; with `normalize`, a block's downsampling
-    convolution becomes a ShortcutConv2d, and the stem's max-pool (trainer.pooling's)
-    goes into its BatchNorm. Returns how many BatchNorms."""
+    convolution becomes a ShortcutConv2d, the stem's max-pool (trainer.pooling's) goes
+    into its BatchNorm, a mean-pool to (1, 1) becomes a MeanPool2d, and `pack_masks` says
+    whether a block-end BatchNorm keeps its ReLU's mask packed (_NormalizedBatchNorm).
+    Returns how many BatchNorms."""
     swapped = 0
     for m in model.modules():
         if type(m) is nn.BatchNorm2d and m.affine and m.track_running_stats and m.momentum is not None:
-            m.__class__, m.kernels, m.normalize = BatchNorm2d, kernels, normalize
+            m.__class__, m.kernels, m.normalize, m.pack_masks = BatchNorm2d, kernels, normalize, pack_masks
             swapped += 1
             m.running_statistics = running_statistics(m)
     for m in model.modules():
@@ -245,6 +251,9 @@ def use_batch_norm_kernels(model: nn.Module, kernels, normalize: bool = False) -
             conv = shortcut[0] if shortcut else None
             if normalize and type(conv) is nn.Conv2d and conv.bias is None and conv.padding_mode == "zeros":
                 conv.__class__ = ShortcutConv2d
+    for m in model.modules():
+        if normalize and type(m) is nn.AdaptiveAvgPool2d and _pair(m.output_size) == (1, 1):
+            m.__class__ = MeanPool2d
     if type(model) is torchvision.models.ResNet and type(model.bn1) is BatchNorm2d and type(model.relu) is nn.ReLU:
         model.bn1.relu, model.relu = True, nn.Identity()
         if normalize and type(model.maxpool) is MaxPool2d:  # the normalized stem is never written

@@ -52,3 +52,24 @@ def use_max_pool_kernel(model: nn.Module, kernels) -> int:
             m.pool_kernel, m.backward_kernel = kernels.max_pool, kernels.max_pool_backward
             swapped += 1
     return swapped
+
+
+class _MeanPool(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.shape = x.shape
+        return x.mean((2, 3), keepdim=True)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return (grad_out / (ctx.shape[2] * ctx.shape[3])).expand(ctx.shape)
+
+
+class MeanPool2d(nn.AdaptiveAvgPool2d):
+    """nn.AdaptiveAvgPool2d to (1, 1) (ATen's is the same mean), whose input's gradient is
+    a value per image and channel broadcast over (H, W), not written out as ATen's mean
+    backward writes it: the BatchNorm kernels' backward reads it so (trainer.norm), and
+    ResNet's last block reads no whole gradient of its output."""
+
+    def forward(self, x):
+        return _MeanPool.apply(x)

@@ -143,7 +143,7 @@ def assemble(cfg: TrainConfig, device: torch.device, world: int = 1,
     # do, while the reference's torch form (the CPU's) is slower than ATen's BatchNorm
     if cfg.compile or kernels is not reference:
         from trainer.norm import use_batch_norm_kernels  # imports torchvision, slow: only here
-        use_batch_norm_kernels(model, kernels, normalize=not cfg.compile)
+        use_batch_norm_kernels(model, kernels, normalize=not cfg.compile, pack_masks=cfg.model.pack_relu_masks)
     ops = RangeOps(plans.main, arena, kernels, bias_lr_scale=cfg.optimizer.bias_lr_scale,
                    ema_every=t.ema_every, ema_warmup_power=t.ema_warmup_power, lookahead=t.lookahead,
                    growth_interval=t.grad_scale_growth_interval, dynamic_scale=cfg.amp_dtype == "fp16",
