@@ -38,7 +38,7 @@ new_machine() {  # name, timeout, command...: a cold run into an empty compile_c
 }
 for s in "$@"; do case $s in
   env) nvidia-smi -L; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.backends.cudnn.version())";;
-  tests) section tests 420 python3 -m pytest -q tests/test_gpu.py tests/test_data_gpu.py tests/test_kernels.py -p no:cacheprovider;;
+  tests) section tests 540 python3 -m pytest -q tests/test_gpu.py tests/test_data_gpu.py tests/test_kernels.py -p no:cacheprovider;;
   disttests) section disttests 480 python3 -m pytest -q -s -m gpu tests/test_dist.py -p no:cacheprovider;;
   r50dp) for run in "1 false false" "2 false false" "2 false true" "2 true false"; do set -- $run  # GPUs, compile, sharded
           section r50dp$1$2$3 300 python3 -m torch.distributed.run --nproc_per_node=$1 run.py model=resnet50 data.resolution=224 \
