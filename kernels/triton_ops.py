@@ -792,9 +792,9 @@ def _(x, running, momentum, eps):
 
 
 def batch_norm_apply(x, mean, invstd, weight, bias, residual, relu: bool, pack_mask: bool):
-    """kernels.reference.batch_norm_apply in one pass over x (and the residual), the mask
-    packed in the same pass; the output is channels-last. Eager training's normalization:
-    inductor fuses its own."""
+    """kernels.reference.batch_norm_apply in one pass over x (and the residual), with
+    pack_mask the ReLU's mask packed in the same pass; the output is channels-last. Eager
+    training's normalization: inductor fuses its own."""
     x_rows = _rows(x)
     y = torch.empty_like(x, memory_format=torch.channels_last)
     mask = (torch.empty((len(x_rows), triton.cdiv(x.shape[1], 8)), dtype=torch.uint8, device=x.device)
@@ -833,6 +833,7 @@ def batch_norm_block_backward(grad_out, grad_shortcut, mask, x, mean, invstd, we
 
 def _backward(grad_out, grad_shortcut, mask, x, mean, invstd, weight, bias, relu: bool):
     x_rows = _rows(x)
+    # read per image only where the first pass stores dz whole (a mask), for the second to read
     broadcast = mask is not None and grad_shortcut is None and grad_out.stride(2) == grad_out.stride(3) == 0
     g_rows = grad_out[:, :, 0, 0].contiguous() if broadcast else _rows(grad_out)
     grad_x = torch.empty_like(x, memory_format=torch.channels_last)

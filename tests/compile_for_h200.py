@@ -52,8 +52,8 @@ def passes(channels: int):
             **common, more_ptr=half, mask_ptr=packed, dz_ptr=half, **statistics, part_ptr=single,
             count_ptr=counters, out1_ptr=single, out2_ptr=single, M=802816, C=channels, HW=1, programs=264,
             momentum=0.1, eps=1e-5, BACKWARD=name != "statistics", RELU=name.endswith("ReLU"), MORE=end,
-            MASK="packed" if end else "",
-            PER_IMAGE=False, BLOCK_R=block_r, BLOCK_C=block_c, STAGES=tiles.stages), tiles
+            MASK="packed" if end else "", PER_IMAGE=False, BLOCK_R=block_r, BLOCK_C=block_c,
+            STAGES=tiles.stages), tiles
     tiles = triton_ops.BN_GRADIENT
     block_r, block_c = tiles.block(channels)
     yield "gradient", triton_ops._bn_backward_apply_kernel, dict(
