@@ -14,7 +14,8 @@
 # compilecache: ours alone on ResNet-50 b256 with compile_cache: a cold run fills an empty folder, then a new machine's
 # first and second process run on a copy of it at another path.
 # compilecacheprobe: bench/first_step_probe.py on the $EXP recipe's model, the same way.
-# disttests and r50dp need two GPUs (r50dp: one GPU, then two, two with the optimizer state sharded, two with compile=true);
+# disttests and r50dp need two GPUs (r50dp: one GPU, then $GPUS (default 2), $GPUS with the optimizer state sharded,
+# $GPUS with compile=true);
 # fusionprobe needs the nvidia-cudnn-frontend package (docs/BENCHMARKS.md, "Session I"); with
 # ARGS="512 resnet18_cifar" (and TAG=_r18 to name its log) it times the 32x32 ResNet-18's layers, not ResNet-50's.
 # streamprobe: bench/stream_probe.py, the weight gradients on a second stream; ARGS="256 resnet50" for ResNet-50's.
@@ -40,11 +41,11 @@ for s in "$@"; do case $s in
   env) nvidia-smi -L; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.backends.cudnn.version())";;
   tests) section tests 540 python3 -m pytest -q tests/test_gpu.py tests/test_data_gpu.py tests/test_kernels.py -p no:cacheprovider;;
   disttests) section disttests 480 python3 -m pytest -q -s -m gpu tests/test_dist.py -p no:cacheprovider;;
-  r50dp) for run in "1 false false" "2 false false" "2 false true" "2 true false"; do set -- $run  # GPUs, compile, sharded
+  r50dp) G=${GPUS:-2}; for run in "1 false false" "$G false false" "$G false true" "$G true false"; do set -- $run  # GPUs, compile, sharded
           section r50dp$1$2$3 300 python3 -m torch.distributed.run --nproc_per_node=$1 run.py model=resnet50 data.resolution=224 \
             amp=true compile=$2 dist.shard_optimizer=$3 trainer.batch_size=256 data.train_size=$(($1 * 256 * 12)) \
             data.val_size=512 trainer.epochs=2 trainer.log_every=1 hydra.run.dir=$OUT/r50dp$1$2$3; done
-          python3 bench/throughput.py $OUT/r50dp1falsefalse $OUT/r50dp2falsefalse $OUT/r50dp2falsetrue $OUT/r50dp2truefalse;;
+          python3 bench/throughput.py $OUT/r50dp1falsefalse $OUT/r50dp${G}falsefalse $OUT/r50dp${G}falsetrue $OUT/r50dp${G}truefalse;;
   fusionprobe) section fusionprobe$TAG 540 python3 bench/fusion_probe.py ${ARGS:-256};;  # ARGS="512 resnet18_cifar"
   streamprobe) section streamprobe$TAG 200 python3 bench/stream_probe.py ${ARGS:-512 resnet18_cifar};;
   kernels) section kernels 120 python3 bench/kernels_bench.py;;
