@@ -216,7 +216,8 @@ def test_multirun_sweeps_two_jobs(tmp_path):
 def test_every_config_group_option_composes(group):
     for option in sorted(p.stem for p in (CONF / group).glob("*.yaml")):
         override = f"+{group}={option}" if group == "experiment" else f"{group}={option}"
-        cfg = config(override, "data.root=/data")
+        reads_files = group == "experiment" or (group == "data" and option != "synthetic")
+        cfg = config(override, *(["data.root=/data"] if reads_files else []))
         assert cfg.mode in ("train", "plan", "eval", "export", "bench")
 
 
@@ -436,6 +437,13 @@ def test_a_profiled_kernel_is_counted_under_its_kind(name, kind):
 def test_cutout_beyond_the_resident_small_images_is_refused(overrides):
     with pytest.raises(ConfigError, match="data.cutout"):
         config(*overrides)
+
+
+def test_a_data_root_without_a_data_set_that_reads_it_is_refused():
+    """data.root on the default, generated data set would silently train on that set."""
+    with pytest.raises(ConfigError, match="data.root=/data with data=synthetic.*add data=cifar10"):
+        config("data.root=/data")
+    assert config("data=cifar10", "data.root=/data").data.root == "/data"
 
 
 @pytest.mark.parametrize("tuning", [None, False])

@@ -271,6 +271,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                           "follows too (optimizer.muon_lr at the peak); set a positive lr")
     if cfg.data.name != "synthetic" and not cfg.data.root and cfg.mode not in ("plan", "bench"):
         raise ConfigError(f"data={cfg.data.name} needs data.root=PATH (a folder or archive of the data set)")
+    if cfg.data.name == "synthetic" and cfg.data.root:  # else the run would train on the embedded set, not on root
+        raise ConfigError(f"data.root={cfg.data.root} with data=synthetic, which generates its images and reads no "
+                          "files: add data=cifar10 or data=imagefolder to train on it, or drop data.root")
     for name in cfg.bench.baselines:
         if name not in ("eager_bf16", "eager_fp16", "compile_bf16"):
             raise ConfigError(f"bench.baselines: {name!r} is not one of eager_bf16, eager_fp16, compile_bf16")
