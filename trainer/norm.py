@@ -240,6 +240,8 @@ def use_batch_norm_kernels(model: nn.Module, kernels, normalize: bool = False, p
             m.__class__, m.kernels, m.normalize, m.pack_masks = BatchNorm2d, kernels, normalize, pack_masks
             swapped += 1
             m.running_statistics = running_statistics(m)
+        elif normalize and type(m) is nn.AdaptiveAvgPool2d and _pair(m.output_size) == (1, 1):
+            m.__class__ = MeanPool2d
     for m in model.modules():
         twin, norms = _FUSED.get(type(m), (None, ()))
         if twin is not None and all(type(getattr(m, n)) is BatchNorm2d for n in norms):
@@ -251,9 +253,6 @@ def use_batch_norm_kernels(model: nn.Module, kernels, normalize: bool = False, p
             conv = shortcut[0] if shortcut else None
             if normalize and type(conv) is nn.Conv2d and conv.bias is None and conv.padding_mode == "zeros":
                 conv.__class__ = ShortcutConv2d
-    for m in model.modules():
-        if normalize and type(m) is nn.AdaptiveAvgPool2d and _pair(m.output_size) == (1, 1):
-            m.__class__ = MeanPool2d
     if type(model) is torchvision.models.ResNet and type(model.bn1) is BatchNorm2d and type(model.relu) is nn.ReLU:
         model.bn1.relu, model.relu = True, nn.Identity()
         if normalize and type(model.maxpool) is MaxPool2d:  # the normalized stem is never written
