@@ -61,7 +61,9 @@ class MuonUpdate:
         for i, x in enumerate(u):  # wide side last
             x = x if x.shape[0] <= x.shape[1] else x.T
             stack[i, :x.shape[0], :x.shape[1]] = x
-        step = orthogonalize(stack, self.steps) * (lr * keep)
+        # where, not a product: a skipped step's gradients hold inf, which orthogonalize turns
+        # into NaN, and NaN * 0 is NaN
+        step = torch.where(keep, orthogonalize(stack, self.steps) * lr, 0.0)
         weights = self._matrices(self.w)
         norms = torch.stack(torch._foreach_norm(weights))
         scale = torch.where(keep, self.target_norm / norms, torch.ones_like(norms))
