@@ -18,7 +18,8 @@ from tests.helpers import assert_same_state, persistent_state, profile_share, ta
 from trainer import checkpoint
 from trainer.config import compose_config
 from trainer.dist import Dist
-from trainer.errors import CheckpointError, ConfigError
+from trainer.errors import CheckpointError, ConfigError, NonFiniteLossError
+from trainer.future import TensorFuture
 from trainer.plan import Baseline as B
 from trainer.regions import Region as R
 
@@ -244,6 +245,16 @@ def test_nan_loss_stops_and_keeps_the_last_checkpoint(tmp_path, amp):
     for name, data in saved["regions"].items():
         if name.startswith("W_"):
             assert torch.isfinite(data.view(torch.float32)).all(), name
+
+
+def test_a_nan_late_in_the_last_epoch_stops_the_run_while_the_device_runs_behind(tmp_path, monkeypatch):
+    """On a GPU the host runs ahead, so the flag's copy queued at a logged step is still in
+    flight at the next ones; the check at the epoch's end must still see the last step's."""
+    monkeypatch.setattr(TensorFuture, "is_ready", lambda self: False)
+    # the learning rate becomes infinite half-way through the second and last epoch
+    with pytest.raises(NonFiniteLossError):
+        train(tmp_path, "trainer.log_every=4", "schedule=step", "schedule.milestones=[1.5]", "schedule.gamma=inf",
+              "trainer.epochs=2")
 
 
 def test_a_non_finite_validation_loss_is_named_and_training_goes_on(tmp_path, caplog):

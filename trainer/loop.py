@@ -292,7 +292,9 @@ class Trainer:
         weights and the last checkpoint are intact. Under AMP too: an fp16 overflow of the
         gradients alone (a finite loss) is the loss scale's business and only skips a step,
         but a non-finite loss comes from the forward pass, which no loss scale mends."""
-        pending = getattr(self, "_nan_future", None)
+        # the blocking check reads a fresh copy: a poll's copy still in flight may have been
+        # queued many steps before the epoch's last, which it would not see
+        pending = None if block else getattr(self, "_nan_future", None)
         if pending is None:
             self._nan_future = pending = self.arena.to_host_async(self.plans.main[B.NAN_SEEN])
         if not (block or pending.is_ready()):
