@@ -205,6 +205,20 @@ def test_export_loads_into_torchvision(tmp_path):
         torch.testing.assert_close(reference(x), model(x.to(memory_format=torch.channels_last)))
 
 
+def test_export_of_an_epoch_that_was_not_evaluated_has_its_statistics(tmp_path):
+    """Without EMA the exported BN statistics are the training's (B_NEXT), also where the
+    checkpoint's epoch was not evaluated: not older ones, nor the initial zeros and ones."""
+    trained = train(tmp_path / "run", "trainer.epochs=2", "trainer.eval_every=5", "trainer.stop_after_epoch=1")
+    out = run(tmp_path / "export", "mode=export", *TINY, f"checkpoint={tmp_path / 'run'}")
+    assert out.returncode == 0, out.stdout + out.stderr
+    state = torch.load(tmp_path / "export" / "model_state_dict.pt", weights_only=True)
+    tensors = trained.plans.tensors["train_base"]
+    for name, s in tensors.bn.items():
+        prefix = f"{name}." if name else ""
+        assert torch.equal(state[prefix + "running_mean"], trained.arena[s.next_mean].cpu()), name
+        assert torch.equal(state[prefix + "running_var"], trained.arena[s.next_var].cpu()), name
+
+
 def test_multirun_sweeps_two_jobs(tmp_path):
     out = run(tmp_path, "optimizer=sgd,lars", "trainer.epochs=1", *TINY, multirun=True)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -255,6 +255,10 @@ class Trainer:
         self.metrics.epoch(row)
 
     def save(self, epochs_done: int):
+        if not self.cfg.ema:
+            # B_PREV as evaluation makes it, for export, which reads it: an epoch that was not
+            # evaluated has left older statistics there (EMA keeps B_PREV up to date itself)
+            self.dist.average_bn(self.ops)
         per_rank = self.dist.gather_per_rank(self.arena)  # every rank takes part; rank 0 writes
         if not self.dist.is_main:
             return
