@@ -390,6 +390,20 @@ def test_frozen_parts_stay_bit_identical_and_frozen_steps_skip_their_gradients(t
     assert not any(v.frozen for v in t.train_steps(1))
 
 
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_the_average_of_a_part_frozen_from_the_start_is_the_frozen_part(tmp_path, lookahead):
+    """EMA averages the frozen first conv as it stays, not as the update moved it before it
+    was put back: the averaged conv, which evaluation and export read, is the conv."""
+    from trainer.loop import Trainer
+    t = Trainer(config(*TINY, "trainer.first_conv_freeze_epochs=0", "optimizer=nesterov",
+                       "optimizer.weight_decay=0.01", "ema=true", f"trainer.lookahead={lookahead}",
+                       "trainer.epochs=1"), tmp_path, Dist())
+    stem = t.plans.tensors["train_base"].params["stem.weight"]
+    frozen = t.arena[stem.w].clone()
+    t.train_epoch(0)()
+    assert torch.equal(t.arena[stem.w], frozen) and torch.equal(t.arena[stem.e], frozen)
+
+
 def test_freezing_a_stem_norm_the_model_lacks_is_a_clear_error(tmp_path):
     from trainer.errors import PlanError
     from trainer.loop import Trainer

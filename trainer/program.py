@@ -74,9 +74,13 @@ class Program:
         ops.grad_scaling()
         ops.stash_frozen()
         ops.update()
+        # held before EMA, which then averages the frozen parts as they stay; and after it
+        # with lookahead, which copies the average into the weights
+        ops.hold_frozen(settled=self.variant.frozen)
         if self.arena.plan.config.ema:
             ops.ema()
-        ops.hold_frozen(settled=self.variant.frozen)
+            if ops.lookahead:
+                ops.hold_frozen(settled=self.variant.frozen)
         ops.cast_weights()
         ops.accumulate(s[B.TRAIN_SUMS], self.variant.batch)
         ops.advance()

@@ -160,8 +160,8 @@ class RangeOps:
             torch._foreach_copy_([k for f in self.freezes for k in f.kept], [x for f in self.freezes for x in f.views])
 
     def hold_frozen(self, settled: bool):
-        """After the update and EMA: frozen parts put back as stashed, so that no update
-        (weight decay, momentum) nor lookahead moves them. A part frozen from step 0, or
+        """After the update (and lookahead): frozen parts put back as stashed, so that no
+        update (weight decay, momentum) nor lookahead moves them. A part frozen from step 0, or
         any part in a step where every freeze has happened (`settled`), is copied back in
         one launch; the others only from their step on, tested on the device."""
         always = [f for f in self.freezes if settled or f.step == 0]
