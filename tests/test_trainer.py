@@ -261,6 +261,20 @@ def test_nan_loss_stops_and_keeps_the_last_checkpoint(tmp_path, amp):
             assert torch.isfinite(data.view(torch.float32)).all(), name
 
 
+def test_the_images_counted_at_each_step_include_a_short_last_batch(tmp_path, monkeypatch):
+    """With drop_last off the epoch ends in a shorter batch; the count behind each step's
+    images/s is the images trained so far, not the steps times the last batch's size."""
+    from trainer.metrics import MetricsLog
+    counted = {}
+    log_step = MetricsLog.step
+    monkeypatch.setattr(MetricsLog, "step", lambda self, step, epoch, variant, images, *rest: (
+        counted.__setitem__(step, images), log_step(self, step, epoch, variant, images, *rest)))
+    t = train(tmp_path, "data.train_size=500", "trainer.drop_last=false", "trainer.log_every=1",
+              "trainer.epochs=2")
+    assert t.per_epoch == 16  # 15 batches of 32 and one of 20
+    assert counted == {e * 16 + i: e * 500 + min(i * 32, 500) for e in range(2) for i in range(1, 17)}
+
+
 def test_a_nan_late_in_the_last_epoch_stops_the_run_while_the_device_runs_behind(tmp_path, monkeypatch):
     """On a GPU the host runs ahead, so the flag's copy queued at a logged step is still in
     flight at the next ones; the check at the epoch's end must still see the last step's."""

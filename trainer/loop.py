@@ -6,6 +6,7 @@ bind -> range ops -> programs -> executor. In steady state the host only enqueue
 it reads device values through TensorFutures at log steps and at the end of an epoch.
 """
 import importlib
+import itertools
 import logging
 import math
 import time
@@ -162,6 +163,7 @@ class Trainer:
         first_step = epoch * self.per_epoch
         log_every = self.cfg.trainer.log_every
         a = self.arena
+        seen = list(itertools.accumulate(v.batch for v in steps))  # a rank's images up to each step
 
         def on_step(i, v):
             step = first_step + i + 1
@@ -169,7 +171,7 @@ class Trainer:
                 self._first_step_done()
             if step % log_every == 0 or i == len(steps) - 1:
                 results = TensorFuture(a.flat(R.R_RESULT).view(3, -1)[:, 0])  # loss, top-1, top-5
-                self.metrics.step(step, epoch, v.name, self.images + (i + 1) * v.batch * self.dist.world,
+                self.metrics.step(step, epoch, v.name, self.images + seen[i] * self.dist.world,
                                   results, a.to_host_async(self.plans.main[B.LR_WEIGHT]))
                 self._check_finite(block=False)
 
