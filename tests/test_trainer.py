@@ -492,6 +492,13 @@ def test_cutout_beyond_the_resident_small_images_is_refused(overrides):
         config(*overrides)
 
 
+@pytest.mark.parametrize("key", ["trainer.eval_every", "trainer.keep_checkpoints"])
+def test_no_evaluations_or_no_checkpoints_kept_are_refused(key):
+    """Every 0th epoch has no meaning, and keeping none would delete the checkpoint just written."""
+    with pytest.raises(ConfigError, match=f"{key}=0 must be positive"):
+        config(f"{key}=0")
+
+
 def test_a_data_root_without_a_data_set_that_reads_it_is_refused():
     """data.root on the default, generated data set would silently train on that set."""
     with pytest.raises(ConfigError, match="data.root=/data with data=synthetic.*add data=cifar10"):

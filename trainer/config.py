@@ -113,7 +113,7 @@ class TrainerConfig:
     ema_warmup_power: float = 0.0  # decay grows as (step / steps)^power: young averages forget fast
     lookahead: bool = False  # copy EMA weights back into the model at each EMA update
     checkpoint_every: int = 1  # epochs between checkpoints; 0: only at the end
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = 2  # the newest checkpoints kept, at least the one a resume reads
     resume: str = ""  # a checkpoint file to continue from
     stop_after_epoch: int = 0  # end this run after that epoch (as if preempted); resume continues
     log_every: int = 50  # steps between metric reads
@@ -208,9 +208,10 @@ _CHOICES = {
     "trainer.first_conv_init": ("default", "whiten"),
     "dist.backend": ("auto", "nccl", "gloo"),
 }
-_POSITIVE = ("model.logit_scale", "trainer.epochs", "trainer.batch_size", "data.resolution", "data.num_classes", "trainer.log_every",
-             "optimizer.eps", "trainer.grad_scale_init", "trainer.grad_scale_growth_interval",
-             "trainer.ema_every", "dist.deep_conv_buckets", "bench.steps", "bench.profile_rows", "optimizer.newton_schulz_steps")
+_POSITIVE = ("model.logit_scale", "trainer.epochs", "trainer.batch_size", "data.resolution", "data.num_classes",
+             "trainer.log_every", "optimizer.eps", "trainer.grad_scale_init", "trainer.grad_scale_growth_interval",
+             "trainer.ema_every", "trainer.eval_every", "trainer.keep_checkpoints", "dist.deep_conv_buckets",
+             "bench.steps", "bench.profile_rows", "optimizer.newton_schulz_steps")
 _NON_NEGATIVE = ("model.head_std", "optimizer.lr", "optimizer.muon_lr", "trainer.ema_warmup_power", "data.threads",
                  "optimizer.weight_decay", "optimizer.bias_lr_scale", "optimizer.lars_eta", "trainer.val_batch_size",
                  "trainer.lowres_epochs", "trainer.checkpoint_every",
