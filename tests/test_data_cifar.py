@@ -217,6 +217,11 @@ def test_too_few_images_for_the_configured_size(batches):
         build_sources(cfg, CPU, 0, 1, None)
 
 
+def test_a_class_count_other_than_the_batches_ten_is_refused(batches):
+    with pytest.raises(DataError, match="python batches, 10 classes, but data.num_classes=100; set data.num_classes=10"):
+        build_sources(config(batches, num_classes=100), CPU, 0, 1, None)
+
+
 @pytest.mark.skipif(not ARCHIVE.exists(), reason=f"{ARCHIVE} is absent (the shared CIFAR-10 JPEG archive)")
 def test_the_cifar10_jpeg_archive():
     cfg = TrainConfig(data=DataConfig(name="cifar10", root=str(ARCHIVE), train_size=1000, val_size=500),

@@ -27,6 +27,7 @@ CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
 SPLIT_DIRS = {"train": ("train",), "val": ("test", "val")}
 BATCH_FILES = {"train": [f"data_batch_{i}" for i in range(1, 6)], "val": ["test_batch"]}
+BATCH_CLASSES = 10  # the python batches' labels: CIFAR-10's
 
 
 def read_archive(path: Path, raw: bytes) -> dict[str, bytes]:
@@ -106,6 +107,9 @@ def decode(root: Path, raw: bytes | None, d: DataConfig, sizes: dict[str, int]) 
     """Each split's images (N, 32, 32, 3) uint8 and labels in host memory."""
     members = read_archive(root, raw) if raw is not None else None
     batches = python_batches(root, members)
+    if batches is not None and d.num_classes != BATCH_CLASSES:
+        raise DataError(f"{root} holds CIFAR-10's python batches, {BATCH_CLASSES} classes, but "
+                        f"data.num_classes={d.num_classes}; set data.num_classes={BATCH_CLASSES}")
     out = {}
     for split, n in sizes.items():
         if batches is not None:
