@@ -241,22 +241,12 @@ class ShardedUpdate:
     def update(self, ops: RangeOps):
         """RangeOps' update dispatch, share by share; each share's all-gather overlaps the
         next share's update."""
-        s, opt, skip, mu = ops.s, ops.config.optimizer, ops.s[B.OVERFLOW], ops.s[B.MOMENTUM]
         g_scale = ops.g_scale()
-        if opt == "lars":
+        if ops.config.optimizer == "lars":
             self._lars_norms(ops, g_scale)
         for sh in self.shares:
-            lr, wd = (s[B.LR_WEIGHT], s[B.WEIGHT_DECAY]) if sh.weight_block else (s[B.LR_BIAS], s[B.WEIGHT_DECAY_BIAS])
-            gs = g_scale if sh.weight_block else None
-            if opt in ("adam", "adamw"):
-                ops.k.adam_(sh.w, sh.g, sh.m, sh.v, lr, wd, s[B.BETA1], s[B.BETA2], s[B.EPS], s[B.OPT_STEP],
-                            skip, opt == "adamw", gs)
-            elif opt == "lars" and sh.weight_block:  # from the whole tensors' norms
-                ops.k.lars_apply_(sh.w, sh.g, sh.m, ops.norms, sh.segments, lr, wd, mu, s[B.LARS_ETA], skip, gs)
-            elif opt == "lars":
-                ops.k.lars_bias_(sh.w, sh.g, sh.m, lr, wd, mu, skip)
-            else:
-                ops.k.sgd_(sh.w, sh.g, sh.m, lr, wd, mu, skip, opt == "nesterov", gs)
+            # LARS from the whole tensors' norms
+            ops.update_span(sh.w, sh.g, sh.m, sh.v, sh.weight_block, g_scale, lars=(ops.k.lars_apply_, sh.segments))
             with self.comm.side():
                 self.comm.gather_shares_(sh.unit_w)
         self.comm.join()

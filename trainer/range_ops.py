@@ -186,22 +186,31 @@ class RangeOps:
     def _update_blocks(self):
         """Muon updates the deep convs; the bias block, the FC weight and the first conv take
         Nesterov SGD."""
-        s, opt, skip = self.s, self.config.optimizer, self.s[B.OVERFLOW]
-        mu, g_scale = s[B.MOMENTUM], self.g_scale()
-        blocks = ((self.w_bias, self.g_bias, self.m_bias, s[B.LR_BIAS], s[B.WEIGHT_DECAY_BIAS], "v_bias", None),
-                  (*self.sgd_weight, s[B.LR_WEIGHT], s[B.WEIGHT_DECAY], "v_weight", g_scale))
-        if opt == "muon":
-            self.muon(s[B.LR_MUON], s[B.MUON_MOMENTUM], skip, g_scale)
-        for i, (w, g, m, lr, wd, v, gs) in enumerate(blocks):
-            if opt in ("adam", "adamw"):
-                self.k.adam_(w, g, m, getattr(self, v), lr, wd, s[B.BETA1], s[B.BETA2], s[B.EPS],
-                             s[B.OPT_STEP], skip, opt == "adamw", gs)
-            elif opt == "lars" and i == 1:
-                self.k.lars_(w, g, m, self.norms, self.chunk_segment, lr, wd, mu, s[B.LARS_ETA], skip, gs)
-            elif opt == "lars":
-                self.k.lars_bias_(w, g, m, lr, wd, mu, skip)
-            else:
-                self.k.sgd_(w, g, m, lr, wd, mu, skip, opt in ("nesterov", "muon"), gs)
+        s, has_v, g_scale = self.s, self.config.has_second_moment, self.g_scale()
+        if self.config.optimizer == "muon":
+            self.muon(s[B.LR_MUON], s[B.MUON_MOMENTUM], s[B.OVERFLOW], g_scale)
+        self.update_span(self.w_bias, self.g_bias, self.m_bias, self.v_bias if has_v else None, False, g_scale)
+        self.update_span(*self.sgd_weight, self.v_weight if has_v else None, True, g_scale,
+                         lars=(self.k.lars_, self.chunk_segment) if self.config.optimizer == "lars" else None)
+
+    def update_span(self, w, g, m, v, weights: bool, g_scale, lars=None):
+        """The configured optimizer's update of one span of the weight block (weights: its
+        learning rate and decay, and under AMP its half gradients, unscaled by g_scale as they
+        are read) or of the bias block. lars: (kernel, segments) for LARS's weights, either
+        lars_, which takes their norms itself, or lars_apply_, whose caller has summed them
+        over the ranks' shares."""
+        s, opt, skip, mu = self.s, self.config.optimizer, self.s[B.OVERFLOW], self.s[B.MOMENTUM]
+        lr, wd = (s[B.LR_WEIGHT], s[B.WEIGHT_DECAY]) if weights else (s[B.LR_BIAS], s[B.WEIGHT_DECAY_BIAS])
+        gs = g_scale if weights else None
+        if opt in ("adam", "adamw"):
+            self.k.adam_(w, g, m, v, lr, wd, s[B.BETA1], s[B.BETA2], s[B.EPS], s[B.OPT_STEP], skip, opt == "adamw", gs)
+        elif opt == "lars" and weights:
+            kernel, segments = lars
+            kernel(w, g, m, self.norms, segments, lr, wd, mu, s[B.LARS_ETA], skip, gs)
+        elif opt == "lars":
+            self.k.lars_bias_(w, g, m, lr, wd, mu, skip)
+        else:
+            self.k.sgd_(w, g, m, lr, wd, mu, skip, opt in ("nesterov", "muon"), gs)
 
     def ema(self):
         """EMA_PARAM_UPDATE every ema_every steps (decay raised to that power); with
