@@ -39,7 +39,7 @@ def test_non_finite_loss_raises_the_sticky_flag():
     cross_entropy_(torch.full((2, 3), float("nan")), torch.tensor([0, 1]), 0.0, results, nan_seen=flag)
     assert flag.item() == 1
     cross_entropy_(torch.randn(2, 3), torch.tensor([0, 1]), 0.0, results, nan_seen=flag)
-    assert flag.item() == 1, "the flag stays raised until the host has read it"
+    assert flag.item() == 1, "a finite loss after a NaN one leaves the flag raised"
 
 
 def test_tta_logits_are_the_weighted_average_of_the_views():

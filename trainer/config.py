@@ -114,7 +114,7 @@ class TrainerConfig:
     lookahead: bool = False  # copy EMA weights back into the model at each EMA update
     checkpoint_every: int = 1  # epochs between checkpoints; 0: only at the end
     keep_checkpoints: int = 2  # the newest checkpoints kept, at least the one a resume reads
-    resume: str = ""  # a checkpoint file to continue from
+    resume: str = ""  # a checkpoint file, or a run directory (its newest checkpoint), to continue from
     stop_after_epoch: int = 0  # end this run after that epoch (as if preempted); resume continues
     log_every: int = 50  # steps between metric reads
     eval_every: int = 1  # epochs between evaluations (the last epoch is always evaluated)

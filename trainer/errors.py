@@ -22,4 +22,4 @@ class CheckpointError(TrainerError):
 
 
 class NonFiniteLossError(TrainerError):
-    """Training produced a NaN or infinite loss outside of AMP's loss scaling."""
+    """Training produced a NaN or infinite loss (under AMP too: no loss scale mends a forward pass)."""

@@ -1,6 +1,5 @@
 """TensorFuture: a device value on its way to the host. The copy is enqueued behind the
 work that produces the value; nothing waits until the value is asked for."""
-import asyncio
 import time
 
 import torch
@@ -24,20 +23,6 @@ class TensorFuture:
         if self.event is not None:
             self.event.synchronize()
 
-    def wait_for(self, timeout_ms: float) -> bool:
-        """Poll until ready or timeout; True if ready."""
-        deadline = time.perf_counter() + timeout_ms / 1000
-        while not self.is_ready():
-            if time.perf_counter() >= deadline:
-                return False
-            time.sleep(0.0002)
-        return True
-
     def get(self) -> torch.Tensor:
         self.wait()
-        return self._host
-
-    def __await__(self):
-        while not self.is_ready():
-            yield from asyncio.sleep(0.0005).__await__()
         return self._host

@@ -106,7 +106,7 @@ class Baseline(IntEnum):
     GOOD_STEPS = 16  # clean steps since the loss scale last changed
     # S_SCALAR_INT8
     OVERFLOW = 17  # this step's gradients were not finite: its update was skipped
-    NAN_SEEN = 18  # sticky: some step since the last check had a non-finite loss
+    NAN_SEEN = 18  # sticky: some step of the run had a non-finite loss (training stops on it)
     # R_RESULT
     LOSS = 19
     TOP1 = 20

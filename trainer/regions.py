@@ -98,10 +98,6 @@ FAMILY = {
     "E16": _family("E_{}_FP16", HALF_KINDS), "N": _family("N_{}", HALF_KINDS),
 }
 
-# The two optimizer blocks: biases (no weight decay, no LARS trust ratio) and weights.
-BIAS_BLOCK = (Kind.BN_BIAS, Kind.FC_BIAS)
-WEIGHT_BLOCK = (Kind.FC_WEIGHT, Kind.DEEP_CONV)
-
 # Region ranges that one range op covers as a single flat span; finalize() checks
 # that each is contiguous.
 CONTIGUOUS_RANGES = (
