@@ -2,9 +2,10 @@
 and metric sums as a handful of kernels over contiguous region ranges.
 
 RangeOps binds the flat spans of one arena once; each method is one op of DESIGN.md's
-list and issues the same kernels whatever the number of layers. Every value that may
-change during training is read from S_ scalars in the arena, so a captured step graph
-replays correctly as the schedule moves.
+list and issues the same kernels whatever the number of layers, but for Muon's update,
+which copies each deep conv's filter bank into its stack and its step back. Every value
+that may change during training is read from S_ scalars in the arena, so a captured step
+graph replays correctly as the schedule moves.
 """
 from typing import NamedTuple
 
