@@ -160,6 +160,30 @@ def test_a_checkpoint_that_cannot_be_written_stops_the_run_and_keeps_the_earlier
     assert train(tmp_path / "b", "trainer.epochs=3", f"trainer.resume={folder}").history[-1]["epoch"] == 3
 
 
+def test_a_new_run_in_another_runs_folder_is_refused_and_leaves_it_as_it_was(tmp_path):
+    """A reused hydra.run.dir, or two runs started in the same second: the second new run
+    must neither overwrite nor prune the first's checkpoints, nor write into its records."""
+    from trainer.loop import Trainer
+    train(tmp_path / "a", "trainer.epochs=1")
+    before = {p: p.read_bytes() for p in (tmp_path / "a").rglob("*") if p.is_file()}
+    with pytest.raises(ConfigError, match=r"holds another run's checkpoints \(epoch_0001.pt\): continue that run "
+                                          r"with trainer.resume="):
+        Trainer(config(*TINY, "trainer.epochs=1"), tmp_path / "a", Dist())
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "metrics.jsonl").write_text("")  # a run that has saved no checkpoint yet
+    with pytest.raises(ConfigError, match="holds another run's records"):
+        Trainer(config(*TINY, "trainer.epochs=1"), tmp_path / "b", Dist())
+    assert {p: p.read_bytes() for p in (tmp_path / "a").rglob("*") if p.is_file()} == before
+
+
+def test_checkpoints_are_kept_and_found_by_epoch_past_epoch_9999(tmp_path):
+    for epoch in (9998, 9999, 10000, 10001):
+        (tmp_path / f"epoch_{epoch:04d}.pt").write_bytes(b"")
+    checkpoint.prune(tmp_path, 2)
+    assert [p.name for p in checkpoint.saved(tmp_path)] == ["epoch_10000.pt", "epoch_10001.pt"]
+    assert checkpoint.latest(tmp_path).name == "epoch_10001.pt"
+
+
 def test_checkpoint_from_another_model_is_refused(tmp_path):
     train(tmp_path / "a", "trainer.epochs=1")
     with pytest.raises(CheckpointError, match="model: checkpoint 'fastnet', this run 'cifar_resnet'"):

@@ -88,7 +88,8 @@ def main(dict_cfg: DictConfig):
         log.error("%s", e)
         raise SystemExit(2)
     except KeyboardInterrupt:  # Ctrl-C: a checkpoint is written whole or not at all, so what is there is intact
-        saved = sorted((run_dir / "checkpoints").glob("epoch_*.pt"))
+        from trainer import checkpoint
+        saved = checkpoint.saved(run_dir / "checkpoints")
         log.error("interrupted%s", f"; continue from {saved[-1].name} with trainer.resume={run_dir}" if saved else "")
         raise SystemExit(130)  # as a shell reports a process that SIGINT ended
     except Exception:

@@ -94,17 +94,23 @@ def read(path: Path) -> dict:
     return payload
 
 
+def saved(folder: Path) -> list[Path]:
+    """The checkpoints in a folder, oldest first. By epoch: the names pad it to four digits,
+    so epoch_10000 comes after epoch_9999 by its length, not its letters."""
+    return sorted(folder.glob("epoch_*.pt"), key=lambda p: (len(p.name), p.name))
+
+
 def latest(run_dir: Path) -> Path:
     """The newest checkpoint of a run directory (or of its checkpoints/ folder)."""
     folder = run_dir / "checkpoints" if (run_dir / "checkpoints").is_dir() else run_dir
-    found = sorted(folder.glob("epoch_*.pt"))
+    found = saved(folder)
     if not found:
         raise CheckpointError(f"no checkpoints (epoch_*.pt) in {folder}")
     return found[-1]
 
 
 def prune(folder: Path, keep: int):
-    for old in sorted(folder.glob("epoch_*.pt"))[:-keep]:
+    for old in saved(folder)[:-keep]:
         old.unlink()
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as td
 
+from trainer import checkpoint
 from trainer.arena import Arena
 from trainer.collectives import Comm, GradSync, ShardedUpdate
 from trainer.errors import ConfigError, PlanError
@@ -205,9 +206,14 @@ def _agent_started() -> str:
     return time.strftime("%Y-%m-%d_%H-%M-%S", started) + f"_{agent}"
 
 
+def restarted() -> bool:
+    """Whether torchrun restarted the job (TORCHELASTIC_RESTART_COUNT > 0)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+
+
 def restart_checkpoint(run_dir: Path) -> str:
-    """After torchrun restarted the job (TORCHELASTIC_RESTART_COUNT > 0): the run directory,
-    whose newest checkpoint the run continues from, if it has one; else ''."""
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0:
+    """After torchrun restarted the job: the run directory, whose newest checkpoint the run
+    continues from, if it has one; else ''."""
+    if not restarted():
         return ""
-    return str(run_dir) if any((run_dir / "checkpoints").glob("epoch_*.pt")) else ""
+    return str(run_dir) if checkpoint.saved(run_dir / "checkpoints") else ""

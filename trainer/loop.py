@@ -21,8 +21,8 @@ from trainer import checkpoint
 from trainer.arena import HALF
 from trainer.config import TrainConfig
 from trainer.data import build_sources, source_module
-from trainer.dist import Dist, device_for
-from trainer.errors import NonFiniteLossError
+from trainer.dist import Dist, device_for, restarted
+from trainer.errors import ConfigError, NonFiniteLossError
 from trainer.feeder import BUFFERS, DoubleBuffer
 from trainer.future import TensorFuture
 from trainer.metrics import MetricsLog, Stopwatch, plot_curves, write_summary
@@ -70,7 +70,7 @@ class Trainer:
         self.per_epoch = e.per_epoch
         self.total_steps = self.plans.main.config.schedule_steps
         self.feeder = DoubleBuffer(self.arena, self.plans.tensors)
-        self.metrics = MetricsLog(run_dir, enabled=dist.is_main, log=log)
+        self.metrics = self._records(run_dir, new=not (evaluate_only or t.resume or restarted()))
         self.meta = checkpoint.identity(cfg)
         self.start_epoch, self.history = 0, []
         self.images, self.train_seconds, self.first_step_s = 0, 0.0, None  # of this run, as train_epoch adds them
@@ -287,6 +287,20 @@ class Trainer:
                 "peak_memory_bytes": torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None}
 
     # -- helpers ----------------------------------------------------------------------------
+    def _records(self, run_dir: Path, new: bool) -> MetricsLog:
+        """The run's metrics file. A new run claims its folder by creating it: another run's
+        checkpoints and records there (a reused hydra.run.dir, or two runs started in the
+        same second) are refused, not overwritten and pruned."""
+        saved = checkpoint.saved(run_dir / "checkpoints") if new and self.dist.is_main else []
+        if saved:
+            raise ConfigError(f"{run_dir} holds another run's checkpoints ({saved[-1].name}): continue that run "
+                              f"with trainer.resume={run_dir}, or give this one a folder of its own (hydra.run.dir=...)")
+        try:
+            return MetricsLog(run_dir, enabled=self.dist.is_main, log=log, new=new)
+        except FileExistsError:
+            raise ConfigError(f"{run_dir} holds another run's records (metrics.jsonl): give this run a folder of "
+                              "its own (hydra.run.dir=...)") from None
+
     def _first_step_done(self):
         """Time to first step: set-up, capture and one step, measured once (one sync)."""
         if self.device.type == "cuda":

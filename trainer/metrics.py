@@ -12,9 +12,11 @@ from trainer.future import TensorFuture
 
 
 class MetricsLog:
-    def __init__(self, run_dir: Path, enabled: bool = True, log=None):
+    def __init__(self, run_dir: Path, enabled: bool = True, log=None, new: bool = False):
+        """new: the file must not exist (a new run claims its folder with it, FileExistsError
+        if another has); else rows are appended (a resumed run's)."""
         self.enabled, self.log = enabled, log
-        self.file = open(run_dir / "metrics.jsonl", "a") if enabled else None
+        self.file = open(run_dir / "metrics.jsonl", "x" if new else "a") if enabled else None
         self.tty = enabled and sys.stdout.isatty()
         self.pending: deque = deque()
         self.last = None  # (future, images so far) of the last written step
