@@ -53,10 +53,12 @@ def test_tar_files_reads_what_tarfile_reads(fmt, compress):
 def test_a_damaged_or_truncated_archive_is_refused_with_its_path(tmp_path):
     data = bytearray(archive(tarfile.GNU_FORMAT, compress=False))
     data[3 * 512 + 130] ^= 0x01  # a bit of the second file's size: its header's checksum no longer holds
-    damaged, truncated = tmp_path / "damaged.tar", tmp_path / "truncated.tgz"
+    damaged, truncated, cut = tmp_path / "damaged.tar", tmp_path / "truncated.tgz", tmp_path / "cut.tar"
     damaged.write_bytes(bytes(data))
     truncated.write_bytes(archive(tarfile.GNU_FORMAT, compress=True)[:-100])
-    for path, why in ((damaged, "damaged tar header at byte 1536"), (truncated, "")):
+    cut.write_bytes(bytes(data[:3 * 512]))  # between two members: what is left reads as a shorter archive
+    for path, why in ((damaged, "damaged tar header at byte 1536"), (truncated, ""),
+                      (cut, "ends at byte 1536 without its end-of-archive blocks")):
         cfg = TrainConfig(data=DataConfig(name="cifar10", root=str(path)), trainer=TrainerConfig(batch_size=4))
         with pytest.raises(DataError, match=f"cannot read the archive {path} .*{why}"):
             build_sources(cfg, CPU, 0, 1, None)

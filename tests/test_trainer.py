@@ -176,6 +176,16 @@ def test_a_new_run_in_another_runs_folder_is_refused_and_leaves_it_as_it_was(tmp
     assert {p: p.read_bytes() for p in (tmp_path / "a").rglob("*") if p.is_file()} == before
 
 
+def test_resuming_with_epochs_of_another_length_is_refused(tmp_path):
+    """Another batch size would restart the schedule's steps at the wrong epoch."""
+    from trainer.loop import Trainer
+    train(tmp_path / "a", "trainer.epochs=2", "trainer.stop_after_epoch=1")
+    with pytest.raises(ConfigError, match="saved after epoch 1 at step 16, where this run's epochs of 8 steps "
+                                          "reach step 8: trainer.batch_size"):
+        Trainer(config(*TINY, "trainer.epochs=2", "trainer.batch_size=64", f"trainer.resume={tmp_path / 'a'}"),
+                tmp_path / "b", Dist())
+
+
 def test_checkpoints_are_kept_and_found_by_epoch_past_epoch_9999(tmp_path):
     for epoch in (9998, 9999, 10000, 10001):
         (tmp_path / f"epoch_{epoch:04d}.pt").write_bytes(b"")
@@ -514,6 +524,32 @@ def test_a_profiled_kernel_is_counted_under_its_kind(name, kind):
 def test_cutout_beyond_the_resident_small_images_is_refused(overrides):
     with pytest.raises(ConfigError, match="data.cutout"):
         config(*overrides)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["+trainer.bach_size=4"], r"\+trainer.bach_size: the configuration has no such key"),
+    (["+foo=1"], r"\+foo: the configuration has no such key"),
+    (["data.tta=3"], "data.tta=3 is not one of: 0, 1, 2"),
+    (["dist.timeout_s=-5"], "dist.timeout_s=-5 must be positive"),
+    (["schedule=step", "schedule.milestones=[1]", "schedule.gamma=-1"], "schedule.gamma=-1.0 must not be negative"),
+    (["schedule=step", "schedule.milestones=[-1]"], r"schedule.milestones=\[-1.0\] must be epochs"),
+    (["checkpoint=/runs/a"], "checkpoint=/runs/a is read by mode=eval and mode=export only; to continue training "
+                             "from it use trainer.resume=/runs/a"),
+])
+def test_settings_that_would_be_ignored_or_misread_are_refused(overrides, message):
+    """Each would otherwise train without a word: a key added by + beside the schema's (a
+    misspelling Hydra's own advice leads to), a view count the evaluation does not know, a
+    learning rate turned negative, a checkpoint that training does not read."""
+    with pytest.raises(ConfigError, match=message):
+        config(*overrides)
+
+
+@pytest.mark.parametrize("overrides", [["trainer.batch_size=1"], ["trainer.drop_last=false", "data.train_size=513"]])
+def test_a_training_batch_of_one_image_is_refused_before_set_up(tmp_path, overrides):
+    """BatchNorm cannot normalize over one image: said at once, not as torch's error mid-run."""
+    from trainer.loop import Trainer
+    with pytest.raises(ConfigError, match="a training batch of one image .*BatchNorm normalizes over the batch"):
+        Trainer(config(*TINY, *overrides), tmp_path, Dist())
 
 
 @pytest.mark.parametrize("key", ["trainer.eval_every", "trainer.keep_checkpoints"])

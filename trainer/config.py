@@ -3,7 +3,7 @@ key or a value of the wrong type fails at composition; validate() then rejects v
 that type-check but cannot work. Both end in one message and a non-zero exit."""
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -207,16 +207,17 @@ _CHOICES = {
     "data.flip": ("random", "alternating", "none"),
     "trainer.first_conv_init": ("default", "whiten"),
     "dist.backend": ("auto", "nccl", "gloo"),
+    "data.tta": (0, 1, 2),
 }
 _POSITIVE = ("model.logit_scale", "trainer.epochs", "trainer.batch_size", "data.resolution", "data.num_classes",
              "trainer.log_every", "optimizer.eps", "trainer.grad_scale_init", "trainer.grad_scale_growth_interval",
-             "trainer.ema_every", "trainer.eval_every", "trainer.keep_checkpoints", "dist.deep_conv_buckets",
+             "trainer.ema_every", "trainer.eval_every", "trainer.keep_checkpoints", "dist.deep_conv_buckets", "dist.timeout_s",
              "bench.steps", "bench.profile_rows", "optimizer.newton_schulz_steps")
 _NON_NEGATIVE = ("model.head_std", "optimizer.lr", "optimizer.muon_lr", "trainer.ema_warmup_power", "data.threads",
                  "optimizer.weight_decay", "optimizer.bias_lr_scale", "optimizer.lars_eta", "trainer.val_batch_size",
                  "trainer.lowres_epochs", "trainer.checkpoint_every",
                  "trainer.stop_after_epoch", "schedule.warmup_epochs", "data.train_size", "data.val_size",
-                 "data.crop_padding", "data.cutout", "bench.warmup", "bench.profile", "optimizer.nominal_batch", "data.tta",
+                 "data.crop_padding", "data.cutout", "bench.warmup", "bench.profile", "optimizer.nominal_batch",
                  "dist.plan_ranks")
 _FRACTIONS = ("optimizer.momentum", "optimizer.muon_momentum", "optimizer.beta2", "ema_decay", "trainer.label_smoothing",
               "schedule.final_fraction", "schedule.warmup_start_fraction", "data.min_crop_area")
@@ -231,9 +232,13 @@ def _get(cfg, dotted: str):
 
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Values that type-check but cannot work; the first one found is the message."""
+    unknown = _unknown_keys(cfg)
+    if unknown:
+        raise ConfigError(f"+{unknown[0]}: the configuration has no such key (trainer/config.py lists every one); "
+                          "check its spelling")
     for key, choices in _CHOICES.items():
         if _get(cfg, key) not in choices:
-            raise ConfigError(f"{key}={_get(cfg, key)!r} is not one of: {', '.join(choices)}")
+            raise ConfigError(f"{key}={_get(cfg, key)!r} is not one of: {', '.join(map(str, choices))}")
     for key in (*_POSITIVE, *_NON_NEGATIVE):  # nan and inf pass the comparisons below
         if not math.isfinite(_get(cfg, key)):
             raise ConfigError(f"{key}={_get(cfg, key)} must be a finite number")
@@ -284,7 +289,23 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _validate_compile_options(cfg)
     if cfg.schedule.name == "step" and not cfg.schedule.milestones:
         raise ConfigError("schedule=step needs schedule.milestones, e.g. [30,60,80]")
+    if not cfg.schedule.gamma >= 0:
+        raise ConfigError(f"schedule.gamma={cfg.schedule.gamma} must not be negative: the learning rate would turn "
+                          "negative and climb the loss")
+    if any(not m >= 0 for m in cfg.schedule.milestones):
+        raise ConfigError(f"schedule.milestones={cfg.schedule.milestones} must be epochs, not negative")
+    if cfg.checkpoint and cfg.mode not in ("eval", "export"):
+        raise ConfigError(f"checkpoint={cfg.checkpoint} is read by mode=eval and mode=export only; to continue "
+                          f"training from it use trainer.resume={cfg.checkpoint}")
     return cfg
+
+
+def _unknown_keys(node, prefix: str = "") -> list[str]:
+    """Keys a + override added beside the schema's (OmegaConf keeps them on the dataclasses)."""
+    names = {f.name for f in fields(node)}
+    return [prefix + k for k in vars(node) if k not in names] + [
+        key for f in fields(node) if is_dataclass(v := getattr(node, f.name))
+        for key in _unknown_keys(v, f"{prefix}{f.name}.")]
 
 
 # What compile=true asks of inductor unless compile_options says otherwise: tuning each

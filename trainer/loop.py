@@ -77,6 +77,8 @@ class Trainer:
         if t.resume:
             done = checkpoint.load(Path(t.resume), self.arena, self.meta, dist.rank)
             self.start_epoch, self.history = done["epoch"], done.get("history", [])
+            if not evaluate_only:
+                self._check_epoch_length(t.resume)
             log.info("resumed from %s after epoch %d", t.resume, self.start_epoch)
         ready = self.clock()
         # a finished run resumed, or torchrun restarting a job after its last checkpoint
@@ -287,6 +289,19 @@ class Trainer:
                 "peak_memory_bytes": torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None}
 
     # -- helpers ----------------------------------------------------------------------------
+    def _check_epoch_length(self, path):
+        """A resumed run's steps must be epochs of the checkpoint's length: the schedule, the
+        data order and the step count go by the step, so other ones would train on from the
+        wrong point of each (the learning rate jumping back, epochs cut short)."""
+        step = int(self.arena.to_host_async(self.plans.main[B.STEP]).get()[0])
+        expected = min(self.start_epoch * self.per_epoch, self.total_steps)
+        if step != expected:
+            raise ConfigError(
+                f"{path} was saved after epoch {self.start_epoch} at step {step}, where this run's epochs of "
+                f"{self.per_epoch} steps reach step {expected}: trainer.batch_size, data.train_size, "
+                "trainer.drop_last, the number of ranks or a fractional trainer.epochs differ from the run that "
+                "wrote it; resume with its values")
+
     def _records(self, run_dir: Path, new: bool) -> MetricsLog:
         """The run's metrics file. A new run claims its folder by creating it: another run's
         checkpoints and records there (a reused hydra.run.dir, or two runs started in the

@@ -70,6 +70,11 @@ def make_variants(cfg: TrainConfig, world: int = 1) -> tuple[list[Variant], int]
     if per_rank_train < t.batch_size and t.drop_last:
         raise ConfigError(f"trainer.batch_size={t.batch_size} is larger than the {per_rank_train} training "
                           f"examples per rank; lower it or set trainer.drop_last=false")
+    if t.batch_size == 1 or (not t.drop_last and per_rank_train % t.batch_size == 1):
+        raise ConfigError(f"a training batch of one image (trainer.batch_size={t.batch_size}, {per_rank_train} "
+                          f"training examples per rank, trainer.drop_last={t.drop_last}): BatchNorm normalizes "
+                          "over the batch and needs two; change the batch size or the data size, or set "
+                          "trainer.drop_last=true")
     per_epoch = steps_per_epoch(per_rank_train, t.batch_size, t.drop_last)
     variants = derive_variants(per_rank_train, per_rank_val, t.batch_size, t.val_batch_size or t.batch_size,
                                cfg.data.resolution, t.lowres_resolution, t.lowres_epochs, t.drop_last,

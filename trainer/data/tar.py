@@ -35,8 +35,10 @@ def tar_files(archive: bytes) -> dict[str, bytes]:
     """{path: contents} of the regular files in a tar archive, gzip-compressed or not."""
     data = gzip.decompress(archive) if archive[:2] == GZIP_MAGIC else archive
     files, pos, next_name = {}, 0, None
-    while pos + BLOCK <= len(data):
+    while True:
         header = data[pos:pos + BLOCK]
+        if len(header) < BLOCK:  # cut between members, or inside a header
+            raise ValueError(f"the archive ends at byte {len(data)} without its end-of-archive blocks")
         if header[0] == 0 and not header.strip(b"\0"):
             break  # the end-of-archive blocks
         if sum(header) - sum(header[148:156]) + 8 * ord(" ") != _number(header[148:156]):
