@@ -252,6 +252,11 @@ def _sharded_and_replicated(rank: int, folder: Path) -> dict:
             if rank == 0:
                 checkpoint.save(path, e.arena, meta, per_rank)
             torch.distributed.barrier()
+            # evaluation and export read the model alone: replicated, under another optimizer
+            model = engine(config(*TINY, "optimizer=nesterov", "ema=true"), d)
+            checkpoint.load(path, model.arena, meta, rank, model_only=True)
+            out["model_only"] = [torch.equal(model.arena[t], e.arena[u]) for r in checkpoint.MODEL_REGIONS
+                                 for t, u in zip(model.plans.main.regions[r], e.plans.main.regions[r], strict=True)]
             resumed = engine(cfg, d)
             checkpoint.load(path, resumed.arena, meta, rank)
             more = global_batches(cfg, 2, seed=1)
@@ -299,6 +304,7 @@ def test_sharded_checkpoint_resumes_every_rank_share(sharded_runs):
         assert resumed_losses == losses
         assert_same_state(state, resumed_state)
         assert "sharded over 2 ranks, this run's over 1" in run["refused"]
+        assert len(run["model_only"]) > 4 and all(run["model_only"])
 
 
 # -- end to end: torchrun, run.py, one run directory, a killed worker ---------------------------------

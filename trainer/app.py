@@ -63,7 +63,7 @@ def run_export(cfg: TrainConfig, run_dir: Path):
     tensors = plans.tensors[plans.variants[0].name]
     bind(model, tensors, arena)
     path = _checkpoint_path(cfg)
-    checkpoint.load(Path(path), arena, checkpoint.identity(cfg))
+    checkpoint.load(Path(path), arena, checkpoint.identity(cfg), model_only=True)
     torch.save(state_dict(tensors, arena, cfg.ema), run_dir / "model_state_dict.pt")
     log.info("wrote %s (from %s)", run_dir / "model_state_dict.pt", path)
 

@@ -12,14 +12,19 @@ from pathlib import Path
 import torch
 
 from trainer.arena import Arena
+from trainer.dtensor import ITEMSIZE
 from trainer.errors import CheckpointError
 from trainer.plan import Baseline, MemoryPlan
 from trainer.regions import Region
 
 # Weights, EMA, half copies, BN statistics and optimizer moments: what training accumulates.
 STATE_REGIONS = tuple(r for r in Region if r.name[0] in "BWEAMVN")
+# What evaluation and export read: all but the optimizer's moments and LARS's norms, which
+# the optimizer shapes and dist.shard_optimizer splits over the ranks
+MODEL_REGIONS = tuple(r for r in STATE_REGIONS if r.name[0] in "BWEA")
 STATE_SCALARS = (Baseline.STEP, Baseline.OPT_STEP, Baseline.GOOD_STEPS, Baseline.LOSS_SCALE)
 IDENTITY = ("model", "optimizer", "amp", "amp_dtype", "ema")
+MODEL_IDENTITY = ("model", "amp", "amp_dtype", "ema")
 
 
 def identity(cfg) -> dict:
@@ -34,6 +39,12 @@ def state_fingerprint(plan: MemoryPlan) -> str:
     return hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
 
 
+def model_fingerprint(plan: MemoryPlan) -> str:
+    """The model's tensors, not their slots: sharding pads some slots to split the weights."""
+    rows = [(t.region.name, t.name, t.dtype, list(t.shape)) for r in MODEL_REGIONS for t in plan.regions[r]]
+    return hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
+
+
 def save(path: Path, arena: Arena, meta: dict, per_rank: dict | None = None):
     """`per_rank`: regions whose bytes differ between ranks, every rank's bytes one after the
     other (Dist.gather_per_rank), so that one file restores every rank exactly."""
@@ -41,6 +52,10 @@ def save(path: Path, arena: Arena, meta: dict, per_rank: dict | None = None):
     payload = {
         "fingerprint": plan.fingerprint(),
         "state_fingerprint": state_fingerprint(plan),
+        "model_fingerprint": model_fingerprint(plan),
+        # where each of the model's tensors lies in its region, and a rank's bytes of the region
+        "offsets": {r.name: [t.offset - plan.base[r] for t in plan.regions[r]] for r in MODEL_REGIONS},
+        "region_bytes": {r.name: plan.region_bytes(r) for r in MODEL_REGIONS},
         "layout": {r.name: [t.name for t in plan.regions[r]] for r in STATE_REGIONS},
         "shards": plan.config.shards,
         "meta": meta,
@@ -59,14 +74,27 @@ def save(path: Path, arena: Arena, meta: dict, per_rank: dict | None = None):
                               f"are intact: make room there, then continue with trainer.resume={path.parent}") from None
 
 
-def load(path: Path, arena: Arena, meta_now: dict, rank: int = 0) -> dict:
+def load(path: Path, arena: Arena, meta_now: dict, rank: int = 0, model_only: bool = False) -> dict:
     """Restore the arena's persistent state from `path`; of a region saved per rank, this
-    rank's bytes (rank 0's when fewer ranks wrote it); returns the checkpoint's meta."""
+    rank's bytes (rank 0's when fewer ranks wrote it); returns the checkpoint's meta.
+    model_only: the model's regions alone, for evaluation and export, from a checkpoint of
+    any optimizer, its state sharded or not (checkpoints written before model fingerprints
+    need the whole state to fit)."""
     payload = read(path)
     plan = arena.plan
-    if payload["state_fingerprint"] != state_fingerprint(plan):
-        raise CheckpointError(f"checkpoint {path} does not fit this run: {_difference(payload, plan, meta_now)}")
-    for name, data in payload["regions"].items():
+    model_only = model_only and "model_fingerprint" in payload
+    if (payload["model_fingerprint"] != model_fingerprint(plan) if model_only
+            else payload["state_fingerprint"] != state_fingerprint(plan)):
+        raise CheckpointError(f"checkpoint {path} does not fit this run: "
+                              f"{_difference(payload, plan, meta_now, model_only)}")
+    if model_only:  # tensor by tensor: the slots may lie elsewhere
+        for r in MODEL_REGIONS:
+            data, n = payload["regions"].get(r.name), payload["region_bytes"][r.name]
+            first = (rank if data is not None and rank < data.numel() // n else 0) * n
+            for t, offset in zip(plan.regions[r], payload["offsets"][r.name]):
+                nbytes = t.numel * ITEMSIZE[t.dtype]
+                arena.storage[t.offset:t.offset + nbytes].copy_(data[first + offset:first + offset + nbytes])
+    for name, data in payload["regions"].items() if not model_only else ():
         region = _region_bytes(arena, Region[name])
         n = region.numel()
         region.copy_(data[(rank if rank < data.numel() // n else 0) * n:][:n])
@@ -119,16 +147,16 @@ def _region_bytes(arena: Arena, region: Region) -> torch.Tensor:
     return arena.storage[offset:offset + nbytes]
 
 
-def _difference(payload: dict, plan: MemoryPlan, meta_now: dict) -> str:
+def _difference(payload: dict, plan: MemoryPlan, meta_now: dict, model_only: bool) -> str:
     then = payload["meta"]
     changed = [f"{k}: checkpoint {then.get(k)!r}, this run {meta_now.get(k)!r}"
-               for k in IDENTITY if then.get(k) != meta_now.get(k)]
+               for k in (MODEL_IDENTITY if model_only else IDENTITY) if then.get(k) != meta_now.get(k)]
     if changed:
         return "; ".join(changed)
-    if payload.get("shards", 1) != plan.config.shards:
+    if not model_only and payload.get("shards", 1) != plan.config.shards:
         return (f"its optimizer state is sharded over {payload.get('shards', 1)} ranks, this run's over "
                 f"{plan.config.shards} (resume with the same number of ranks and dist.shard_optimizer)")
-    for r in STATE_REGIONS:
+    for r in MODEL_REGIONS if model_only else STATE_REGIONS:
         ours = [t.name for t in plan.regions[r]]
         if payload["layout"].get(r.name) != ours:
             return f"region {r.name} holds different tensors (another model or plan)"

@@ -75,7 +75,7 @@ class Trainer:
         self.start_epoch, self.history = 0, []
         self.images, self.train_seconds, self.first_step_s = 0, 0.0, None  # of this run, as train_epoch adds them
         if t.resume:
-            done = checkpoint.load(Path(t.resume), self.arena, self.meta, dist.rank)
+            done = checkpoint.load(Path(t.resume), self.arena, self.meta, dist.rank, model_only=evaluate_only)
             self.start_epoch, self.history = done["epoch"], done.get("history", [])
             if not evaluate_only:
                 self._check_epoch_length(t.resume)
