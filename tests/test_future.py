@@ -1,4 +1,5 @@
 """TensorFuture: values reach the host only when asked for."""
+import pytest
 import torch
 
 from tests.helpers import bound, small_cnn
@@ -56,3 +57,18 @@ def test_an_epoch_record_waits_only_for_that_epochs_steps(tmp_path):
     log.close()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r.get("step", "epoch record") for r in rows] == [10, "epoch record", 20]
+
+
+def test_records_write_a_non_finite_number_as_null(tmp_path):
+    """A diverged loss: NaN and Infinity are not JSON, and a reader would refuse the files."""
+    import json
+
+    from trainer.metrics import MetricsLog, write_summary
+    strict = dict(parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))
+    write_summary(tmp_path, {"val_loss": float("nan"), "train_loss": float("inf"), "val_top1": 0.1})
+    assert json.loads((tmp_path / "summary.json").read_text(), **strict) == \
+        {"val_loss": None, "train_loss": None, "val_top1": 0.1}
+    log = MetricsLog(tmp_path)
+    log.epoch({"epoch": 1, "val_loss": float("-inf")})
+    log.close()
+    assert json.loads((tmp_path / "metrics.jsonl").read_text(), **strict) == {"epoch": 1, "val_loss": None}

@@ -43,11 +43,12 @@ def _checkpoint_path(cfg: TrainConfig) -> str:
 def run_eval(cfg: TrainConfig, run_dir: Path):
     from trainer import dist
     from trainer.loop import Trainer
+    from trainer.metrics import to_json, write_summary
     cfg.trainer.resume = _checkpoint_path(cfg)
     trainer = Trainer(cfg, run_dir, dist.start(cfg), evaluate_only=True)
     result = trainer.evaluate()
-    print(json.dumps(result))
-    (run_dir / "summary.json").write_text(json.dumps({**result, "checkpoint": cfg.trainer.resume}, indent=1))
+    print(to_json(result))
+    write_summary(run_dir, {**result, "checkpoint": cfg.trainer.resume})
 
 
 def run_export(cfg: TrainConfig, run_dir: Path):

@@ -3,6 +3,7 @@
 Step metrics arrive as TensorFutures; they are written when ready, in order, so logging
 never makes the host wait for the device, except for an epoch's own steps when its record is written."""
 import json
+import math
 import sys
 import time
 from collections import deque
@@ -50,7 +51,7 @@ class MetricsLog:
     def _write(self, row: dict):
         if not self.enabled:
             return
-        self.file.write(json.dumps(row) + "\n")
+        self.file.write(to_json(row) + "\n")
         self.file.flush()
         rate = f"{row['images_per_s']:,.0f} img/s" if row.get("images_per_s") else ""
         line = (f"epoch {row['epoch']} step {row['step']} {row.get('variant', '')} loss {row['loss']:.4f} "
@@ -71,7 +72,7 @@ class MetricsLog:
 
     def _write_record(self, row: dict):
         if self.enabled:
-            self.file.write(json.dumps(row) + "\n")
+            self.file.write(to_json(row) + "\n")
             self.file.flush()
             if self.log is not None:
                 self.log.info(" ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
@@ -83,8 +84,15 @@ class MetricsLog:
             self.file.close()
 
 
+def to_json(row: dict, **kwargs) -> str:
+    """JSON, with a non-finite number (a diverged loss) as null: NaN and Infinity, which
+    json.dumps writes by default, are not JSON, and readers refuse the file."""
+    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()},
+                      **kwargs)
+
+
 def write_summary(run_dir: Path, summary: dict):
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    (run_dir / "summary.json").write_text(to_json(summary, indent=1))
 
 
 def plot_curves(run_dir: Path, epochs: list[dict]):
