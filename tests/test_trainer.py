@@ -186,6 +186,17 @@ def test_resuming_with_epochs_of_another_length_is_refused(tmp_path):
                 tmp_path / "b", Dist())
 
 
+@pytest.mark.parametrize("multirun", [False, True], ids=["run", "sweep"])
+def test_a_run_folder_that_cannot_be_made_is_one_message(tmp_path, multirun):
+    (tmp_path / "file").write_text("")  # a folder under a file cannot be made
+    out = subprocess.run(command(tmp_path / "file" / "run", *(["optimizer=sgd,lars"] if multirun else []),
+                                 multirun=multirun), capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip() == (f"cannot make the run's folder {tmp_path / 'file' / 'run'} (Not a directory); "
+                                  f"give one that can be written with {key}=...")
+
+
 def test_checkpoints_are_kept_and_found_by_epoch_past_epoch_9999(tmp_path):
     for epoch in (9998, 9999, 10000, 10001):
         (tmp_path / f"epoch_{epoch:04d}.pt").write_bytes(b"")

@@ -1,9 +1,11 @@
 """The Hydra application: validate the configuration, then run the requested mode."""
 import json
 import logging
+import sys
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from trainer.config import TrainConfig, validate
@@ -78,6 +80,26 @@ def run_bench(cfg: TrainConfig, run_dir: Path):
 
 
 MODES = {"plan": run_plan, "train": run_train, "eval": run_eval, "export": run_export, "bench": run_bench}
+
+
+class RunDirectory(Callback):
+    """Hydra makes the run's folder before the app runs, and one it cannot make (read-only,
+    under a file) ends in its traceback: this says so in one line first (conf/train.yaml)."""
+
+    def on_run_start(self, config: DictConfig, **kwargs):
+        _make(config.hydra.run.dir, "hydra.run.dir")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs):
+        _make(config.hydra.sweep.dir, "hydra.sweep.dir")
+
+
+def _make(folder: str, key: str):
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"cannot make the run's folder {folder} ({e.strerror}); give one that can be written with "
+              f"{key}=...", file=sys.stderr)
+        raise SystemExit(2)
 
 
 def main(dict_cfg: DictConfig):
