@@ -207,7 +207,8 @@ def test_checkpoints_are_kept_and_found_by_epoch_past_epoch_9999(tmp_path):
 
 def test_checkpoint_from_another_model_is_refused(tmp_path):
     train(tmp_path / "a", "trainer.epochs=1")
-    with pytest.raises(CheckpointError, match="model: checkpoint 'fastnet', this run 'cifar_resnet'"):
+    with pytest.raises(CheckpointError, match="model: checkpoint 'fastnet', this run 'cifar_resnet'; give the "
+                                              "options of the run that wrote it"):
         train(tmp_path / "b", "trainer.epochs=1", "model=cifar_resnet20", f"trainer.resume={tmp_path / 'a'}")
     with pytest.raises(CheckpointError, match="optimizer"):
         train(tmp_path / "c", "trainer.epochs=1", "optimizer=lars", f"trainer.resume={tmp_path / 'a'}")

@@ -85,8 +85,11 @@ def load(path: Path, arena: Arena, meta_now: dict, rank: int = 0, model_only: bo
     model_only = model_only and "model_fingerprint" in payload
     if (payload["model_fingerprint"] != model_fingerprint(plan) if model_only
             else payload["state_fingerprint"] != state_fingerprint(plan)):
+        run_dir = Path(path) if Path(path).is_dir() else Path(path).parent.parent
+        overrides = run_dir / ".hydra" / "overrides.yaml"  # where Hydra keeps the writer's command line
         raise CheckpointError(f"checkpoint {path} does not fit this run: "
-                              f"{_difference(payload, plan, meta_now, model_only)}")
+                              f"{_difference(payload, plan, meta_now, model_only)}; give the options of the run "
+                              "that wrote it" + (f" ({overrides} lists them)" if overrides.exists() else ""))
     if model_only:  # tensor by tensor: the slots may lie elsewhere
         for r in MODEL_REGIONS:
             data, n = payload["regions"].get(r.name), payload["region_bytes"][r.name]
