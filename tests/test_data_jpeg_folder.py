@@ -140,6 +140,9 @@ def test_val_must_have_the_training_classes(tree):
 def test_missing_directories(tree, tmp_path):
     with pytest.raises(DataError, match=f"missing data.root {tmp_path / 'nowhere'}"):
         build_sources(config(tmp_path / "nowhere"), CPU, 0, 1, None)
+    (tmp_path / "photos.tgz").write_bytes(b"")
+    with pytest.raises(DataError, match=f"data.root={tmp_path / 'photos.tgz'} is a file, where the folders are read"):
+        dataset_sizes(config(tmp_path / "photos.tgz").data)
     shutil.rmtree(tree / "val")
     with pytest.raises(DataError, match=f"missing directory {tree / 'val'}"):
         dataset_sizes(config(tree).data)

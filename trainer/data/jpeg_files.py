@@ -18,6 +18,9 @@ def find_split(root: Path, names: tuple[str, ...]) -> Path:
     if not root.exists():
         raise DataError(f"missing data.root {root}: point data.root at the folder that holds "
                         f"{names[0]}/<class>/*.jpg")
+    if root.is_file():
+        raise DataError(f"data.root={root} is a file, where the folders are read: point it at the folder that "
+                        f"holds {names[0]}/<class>/*.jpg (unpack an archive first; data=cifar10 reads CIFAR-10's)")
     for name in names:
         if (root / name).is_dir():
             return root / name
