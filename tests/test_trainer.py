@@ -115,19 +115,22 @@ def test_resuming_a_finished_run_says_so_and_reports_its_results(tmp_path, caplo
         assert again[key] == first[key], key
 
 
-def test_ctrl_c_names_the_checkpoint_to_continue_from_which_resumes(tmp_path):
-    """SIGINT mid-run: one line instead of a traceback, exit status 130, and the checkpoint
-    it names is intact: a run resumed from it trains on."""
+@pytest.mark.parametrize("sent, status, said", [(signal.SIGINT, 130, "interrupted"),
+                                                (signal.SIGTERM, 143, "terminated")], ids=["ctrl_c", "sigterm"])
+def test_ctrl_c_names_the_checkpoint_to_continue_from_which_resumes(tmp_path, sent, status, said):
+    """SIGINT mid-run, or SIGTERM (a scheduler's preemption): one line instead of a
+    traceback, the shell's exit status, and the checkpoint it names is intact: a run
+    resumed from it trains on."""
     proc = subprocess.Popen(command(tmp_path / "run", "trainer.epochs=1000"), cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + 120
     while not list((tmp_path / "run" / "checkpoints").glob("epoch_*.pt")) and time.monotonic() < deadline:
         time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sent)
     printed = "".join(proc.communicate(timeout=60))
-    assert proc.returncode == 130, printed
+    assert proc.returncode == status, printed
     assert "Traceback" not in printed
-    saved = re.search(r"interrupted; continue from epoch_(\d+)\.pt with trainer.resume=(\S+)", printed)
+    saved = re.search(said + r"; continue from epoch_(\d+)\.pt with trainer.resume=(\S+)", printed)
     assert saved and Path(saved[2]) == tmp_path / "run", printed
     epoch = int(saved[1])
     resumed = run(tmp_path / "resumed", f"trainer.resume={saved[2]}", "trainer.epochs=1000",

@@ -1,6 +1,7 @@
 """The Hydra application: validate the configuration, then run the requested mode."""
 import json
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -102,19 +103,32 @@ def _make(folder: str, key: str):
         raise SystemExit(2)
 
 
+class Terminated(BaseException):
+    """SIGTERM, as a scheduler preempting the job sends it: raised where the run is, as
+    Ctrl-C raises KeyboardInterrupt, so that the run says where to continue from."""
+
+
+def _terminate(signum, frame):
+    raise Terminated
+
+
 def main(dict_cfg: DictConfig):
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         cfg = validate(OmegaConf.to_object(dict_cfg))
+        from trainer.dist import launched
+        if not launched():  # under torchrun its agent stops the ranks, which may be waiting in a collective
+            signal.signal(signal.SIGTERM, _terminate)
         MODES[cfg.mode](cfg, run_dir)
     except TrainerError as e:
         log.error("%s", e)
         raise SystemExit(2)
-    except KeyboardInterrupt:  # Ctrl-C: a checkpoint is written whole or not at all, so what is there is intact
+    except (KeyboardInterrupt, Terminated) as e:  # a checkpoint is written whole or not at all: those there are intact
         from trainer import checkpoint
         saved = checkpoint.saved(run_dir / "checkpoints")
-        log.error("interrupted%s", f"; continue from {saved[-1].name} with trainer.resume={run_dir}" if saved else "")
-        raise SystemExit(130)  # as a shell reports a process that SIGINT ended
+        log.error("%s%s", "interrupted" if isinstance(e, KeyboardInterrupt) else "terminated",
+                  f"; continue from {saved[-1].name} with trainer.resume={run_dir}" if saved else "")
+        raise SystemExit(130 if isinstance(e, KeyboardInterrupt) else 143)  # as a shell reports SIGINT, SIGTERM
     except Exception:
         log.exception("the run failed")  # into this rank's log file too, not only onto stderr
         raise
