@@ -559,12 +559,25 @@ def test_settings_that_would_be_ignored_or_misread_are_refused(overrides, messag
         config(*overrides)
 
 
-@pytest.mark.parametrize("overrides", [["trainer.batch_size=1"], ["trainer.drop_last=false", "data.train_size=513"]])
-def test_a_training_batch_of_one_image_is_refused_before_set_up(tmp_path, overrides):
-    """BatchNorm cannot normalize over one image: said at once, not as torch's error mid-run."""
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer.batch_size=1"], r"a training batch of one image \(train_base: .* BatchNorms at 1x1 one value a "
+                               "channel to normalize over; change trainer.batch_size"),
+    (["trainer.drop_last=false", "data.train_size=513"], r"\(train_last: .*or set trainer.drop_last=true"),
+    (["data.resolution=7"], "7x7 images are too small for model=fastnet .*; raise data.resolution"),
+])
+def test_inputs_the_model_cannot_train_on_are_refused_before_set_up(tmp_path, overrides, message):
+    """The fast net's last BatchNorms see 1x1 maps: one image a batch leaves them one value to
+    normalize over, and 7x7 images shrink to nothing; said before set-up, not as torch's
+    error at the first step."""
     from trainer.loop import Trainer
-    with pytest.raises(ConfigError, match="a training batch of one image .*BatchNorm normalizes over the batch"):
+    with pytest.raises(ConfigError, match=message):
         Trainer(config(*TINY, *overrides), tmp_path, Dist())
+
+
+def test_one_image_a_batch_trains_where_the_batchnorms_see_more_than_one_pixel(tmp_path):
+    trained = train(tmp_path, "model=cifar_resnet20", "trainer.batch_size=1", "data.train_size=8", "data.val_size=4",
+                    "trainer.epochs=1")
+    assert trained.per_epoch == 8 and math.isfinite(trained.history[-1]["train_loss"])
 
 
 @pytest.mark.parametrize("key", ["trainer.eval_every", "trainer.keep_checkpoints"])

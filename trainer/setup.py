@@ -70,11 +70,6 @@ def make_variants(cfg: TrainConfig, world: int = 1) -> tuple[list[Variant], int]
     if per_rank_train < t.batch_size and t.drop_last:
         raise ConfigError(f"trainer.batch_size={t.batch_size} is larger than the {per_rank_train} training "
                           f"examples per rank; lower it or set trainer.drop_last=false")
-    if t.batch_size == 1 or (not t.drop_last and per_rank_train % t.batch_size == 1):
-        raise ConfigError(f"a training batch of one image (trainer.batch_size={t.batch_size}, {per_rank_train} "
-                          f"training examples per rank, trainer.drop_last={t.drop_last}): BatchNorm normalizes "
-                          "over the batch and needs two; change the batch size or the data size, or set "
-                          "trainer.drop_last=true")
     per_epoch = steps_per_epoch(per_rank_train, t.batch_size, t.drop_last)
     variants = derive_variants(per_rank_train, per_rank_val, t.batch_size, t.val_batch_size or t.batch_size,
                                cfg.data.resolution, t.lowres_resolution, t.lowres_epochs, t.drop_last,
@@ -82,10 +77,40 @@ def make_variants(cfg: TrainConfig, world: int = 1) -> tuple[list[Variant], int]
     return variants, per_epoch
 
 
+def check_inputs_fit(cfg: TrainConfig, variants: list[Variant]):
+    """The model on the meta device (shapes only: no memory, no arithmetic) at each training
+    variant's resolution: an image its downsampling shrinks to nothing, or a batch that
+    leaves a BatchNorm one value a channel to normalize over, is refused here, by its
+    settings, instead of torch's error at the first step."""
+    with torch.device("meta"):
+        model = make_model(cfg).eval()
+    values = []  # per image, at each BatchNorm's input: H*W
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.register_forward_pre_hook(lambda m, args: values.append(args[0][0, 0].numel()))
+    for resolution in sorted({v.resolution for v in variants if v.train}):
+        values.clear()
+        try:
+            with torch.no_grad():
+                model(torch.empty(2, 3, resolution, resolution, device="meta"))
+        except RuntimeError as e:
+            raise ConfigError(f"{resolution}x{resolution} images are too small for model={cfg.model.name} "
+                              f"({str(e).splitlines()[0]}); raise data.resolution (or trainer.lowres_resolution)") from None
+        for v in variants:
+            if v.train and v.resolution == resolution and v.batch * min(values, default=2) == 1:
+                raise ConfigError(
+                    f"a training batch of one image ({v.name}: trainer.batch_size={cfg.trainer.batch_size}, "
+                    f"trainer.drop_last={cfg.trainer.drop_last}) leaves model={cfg.model.name}'s BatchNorms at "
+                    "1x1 one value a channel to normalize over; change " + (
+                        "the data size, or set trainer.drop_last=true" if v.batch != cfg.trainer.batch_size
+                        else "trainer.batch_size"))
+
+
 def make_plans(cfg: TrainConfig, world: int = 1) -> tuple[nn.Module, Plans, int]:
     """The model, its plans and the training steps of a full epoch on each rank."""
     model = make_model(cfg)
     variants, per_epoch = make_variants(cfg, world)
+    check_inputs_fit(cfg, variants)
     steps = total_steps(cfg.trainer.epochs, per_epoch)
     return model, build_plans(model, plan_config(cfg, steps, world), variants, cfg.model.num_classes), per_epoch
 
