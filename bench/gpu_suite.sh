@@ -25,8 +25,10 @@ TAG=${TAG:-}; ARGS=${ARGS:-}; export EXP=${EXP:-cifar10_speed}
 CIFAR=${CIFAR:-../shared/data/cifar10-jpeg.tgz}
 export PYTHONUNBUFFERED=1
 R50="model=resnet50 data.resolution=224 data.num_classes=1000 amp=true"
-section() {  # name, timeout, command...
+section() {  # name, timeout, command...; the run or sweep folder it names starts empty: a new
+  # run refuses a folder that holds another run's records, as a section run again would
   local name=$1 limit=$2; shift 2
+  for a in "$@"; do case $a in hydra.run.dir=*|hydra.sweep.dir=*) rm -rf "${a#*=}";; esac; done
   echo "=== $name"; local t0=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
   echo "=== $name rc=$rc $((SECONDS - t0))s"; tail -n 25 "$OUT/$name.log"

@@ -255,8 +255,12 @@ def _sharded_and_replicated(rank: int, folder: Path) -> dict:
             # evaluation and export read the model alone: replicated, under another optimizer
             model = engine(config(*TINY, "optimizer=nesterov", "ema=true"), d)
             checkpoint.load(path, model.arena, meta, rank, model_only=True)
-            out["model_only"] = [torch.equal(model.arena[t], e.arena[u]) for r in checkpoint.MODEL_REGIONS
-                                 for t, u in zip(model.plans.main.regions[r], e.plans.main.regions[r], strict=True)]
+            pairs = [(t, u) for r in checkpoint.MODEL_REGIONS
+                     for t, u in zip(model.plans.main.regions[r], e.plans.main.regions[r], strict=True)]
+            out["model_only"] = {"same": [torch.equal(model.arena[t], e.arena[u]) for t, u in pairs
+                                          if not t.region.name.startswith("B_")],
+                                 "bn": {t.name: (model.arena[t].clone(), e.arena[u].clone()) for t, u in pairs
+                                        if t.region.name.startswith("B_")}}
             resumed = engine(cfg, d)
             checkpoint.load(path, resumed.arena, meta, rank)
             more = global_batches(cfg, 2, seed=1)
@@ -298,13 +302,17 @@ def test_sharded_state_takes_a_share_of_the_memory(sharded_runs):
     assert s["saved_bytes_per_gpu"] == s["replicated_bytes"] - s["bytes_per_gpu"] > 0.4 * s["replicated_bytes"]
 
 
-def test_sharded_checkpoint_resumes_every_rank_share(sharded_runs):
+def test_a_sharded_checkpoint_resumes_every_rank_share_and_its_model_loads_in_one_process(sharded_runs):
     for run in sharded_runs:
         (losses, state), (resumed_losses, resumed_state) = run["resumed"]
         assert resumed_losses == losses
         assert_same_state(state, resumed_state)
         assert "sharded over 2 ranks, this run's over 1" in run["refused"]
-        assert len(run["model_only"]) > 4 and all(run["model_only"])
+    for run in sharded_runs:  # the weights as they are, the BN statistics (EMA's too) averaged over the ranks
+        assert len(run["model_only"]["same"]) > 4 and all(run["model_only"]["same"])
+        for name, (loaded, _) in run["model_only"]["bn"].items():
+            mean = (sharded_runs[0]["model_only"]["bn"][name][1] + sharded_runs[1]["model_only"]["bn"][name][1]) / 2
+            torch.testing.assert_close(loaded, mean, rtol=0, atol=0)
 
 
 # -- end to end: torchrun, run.py, one run directory, a killed worker ---------------------------------

@@ -22,6 +22,7 @@ from trainer.errors import CheckpointError, ConfigError, NonFiniteLossError
 from trainer.future import TensorFuture
 from trainer.plan import Baseline as B
 from trainer.regions import Region as R
+from trainer.run_dir import saved
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
@@ -180,11 +181,14 @@ def test_a_new_run_in_another_runs_folder_is_refused_and_leaves_it_as_it_was(tmp
 
 
 def test_resuming_with_epochs_of_another_length_is_refused(tmp_path):
-    """Another batch size would restart the schedule's steps at the wrong epoch."""
+    """Another batch size would restart the schedule's steps at the wrong epoch; fewer or
+    more epochs (a fractional last one too) are the schedule's to change."""
     from trainer.loop import Trainer
-    train(tmp_path / "a", "trainer.epochs=2", "trainer.stop_after_epoch=1")
-    with pytest.raises(ConfigError, match="saved after epoch 1 at step 16, where this run's epochs of 8 steps "
-                                          "reach step 8: trainer.batch_size"):
+    train(tmp_path / "a", "trainer.epochs=1.5")
+    for epochs in (1, 3):
+        Trainer(config(*TINY, f"trainer.epochs={epochs}", f"trainer.resume={tmp_path / 'a'}"),
+                tmp_path / f"more{epochs}", Dist())
+    with pytest.raises(ConfigError, match="trained in epochs of 16 steps, and this run's have 8: trainer.batch_size"):
         Trainer(config(*TINY, "trainer.epochs=2", "trainer.batch_size=64", f"trainer.resume={tmp_path / 'a'}"),
                 tmp_path / "b", Dist())
 
@@ -200,11 +204,53 @@ def test_a_run_folder_that_cannot_be_made_is_one_message(tmp_path, multirun):
                                   f"give one that can be written with {key}=...")
 
 
+def test_a_run_refused_its_folder_leaves_the_other_runs_command_line_there(tmp_path):
+    """Refused before Hydra writes .hydra/ into the folder: the other run's command line,
+    which a refused checkpoint's message points to, stays its own."""
+    other = tmp_path / "other"
+    (other / "checkpoints").mkdir(parents=True)
+    (other / "checkpoints" / "epoch_0003.pt").write_bytes(b"")
+    (other / ".hydra").mkdir()
+    (other / ".hydra" / "overrides.yaml").write_text("- optimizer=lars\n")
+    out = subprocess.run(command(other, "optimizer=sgd"), capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip() == (f"{other} holds another run's checkpoints (epoch_0003.pt): continue that run with "
+                                  f"trainer.resume={other}, or give this one a folder of its own (hydra.run.dir=...)")
+    assert (other / ".hydra" / "overrides.yaml").read_text() == "- optimizer=lars\n"
+
+
+def test_whose_a_run_folder_is(tmp_path, monkeypatch):
+    """A run continues in its own folder, resumed from it or restarted by torchrun's agent
+    after it wrote there; any other training run is refused the folder, a torchrun job
+    given another job's folder again (--rdzv_id, hydra.run.dir) after a restart too."""
+    from trainer.run_dir import other_run, restart_checkpoint
+    mine, fresh = tmp_path / "mine", tmp_path / "fresh"
+    (mine / "checkpoints").mkdir(parents=True)
+    fresh.mkdir()
+    assert other_run(fresh, "") is None and other_run(fresh, str(mine)) is None
+    (mine / "metrics.jsonl").write_text("")
+    assert "holds another run's records" in other_run(mine, "")
+    (mine / "checkpoints" / "epoch_0001.pt").write_bytes(b"")
+    for resume in (mine, mine / "checkpoints", mine / "checkpoints" / "epoch_0001.pt"):
+        assert other_run(mine, str(resume)) is None
+    (fresh / "metrics.jsonl").write_text("")
+    assert "holds another run's records" in other_run(fresh, str(mine))  # resumed, but into a third run's folder
+    assert restart_checkpoint(mine) == ""  # not restarted
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert restart_checkpoint(mine) == str(mine)  # written after this process's parent started
+    for old in (mine / "checkpoints" / "epoch_0001.pt", fresh / "metrics.jsonl"):
+        os.utime(old, (0, 0))  # written before it: another job's
+    assert restart_checkpoint(mine) == "" and "holds another run's checkpoints" in other_run(mine, "")
+    assert "holds another run's records" in other_run(fresh, "")
+    (fresh / "metrics.jsonl").touch()  # this job's records, before its first checkpoint
+    assert other_run(fresh, "") is None
+
+
 def test_checkpoints_are_kept_and_found_by_epoch_past_epoch_9999(tmp_path):
     for epoch in (9998, 9999, 10000, 10001):
         (tmp_path / f"epoch_{epoch:04d}.pt").write_bytes(b"")
     checkpoint.prune(tmp_path, 2)
-    assert [p.name for p in checkpoint.saved(tmp_path)] == ["epoch_10000.pt", "epoch_10001.pt"]
+    assert [p.name for p in saved(tmp_path)] == ["epoch_10000.pt", "epoch_10001.pt"]
     assert checkpoint.latest(tmp_path).name == "epoch_10001.pt"
 
 

@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainer.config import TrainConfig, validate
 from trainer.errors import CheckpointError, TrainerError
+from trainer.run_dir import other_run, restart_checkpoint, saved
 
 log = logging.getLogger("trainer")
 
@@ -28,7 +29,7 @@ def run_plan(cfg: TrainConfig, run_dir: Path):
 def run_train(cfg: TrainConfig, run_dir: Path):
     from trainer import dist
     from trainer.loop import Trainer
-    cfg.trainer.resume = dist.restart_checkpoint(run_dir) or cfg.trainer.resume  # torchrun restarted the job
+    cfg.trainer.resume = restart_checkpoint(run_dir) or cfg.trainer.resume  # torchrun restarted the job
     trainer = Trainer(cfg, run_dir, dist.start(cfg))
     if trainer.dist.is_main:
         (run_dir / "plan.json").write_text(json.dumps(trainer.plans.to_json(), indent=1))
@@ -84,10 +85,18 @@ MODES = {"plan": run_plan, "train": run_train, "eval": run_eval, "export": run_e
 
 
 class RunDirectory(Callback):
-    """Hydra makes the run's folder before the app runs, and one it cannot make (read-only,
-    under a file) ends in its traceback: this says so in one line first (conf/train.yaml)."""
+    """Checks the run's folder before Hydra makes it and writes its .hydra/ files there: one
+    Hydra cannot make (read-only, under a file) ends in its traceback, and a training run's
+    folder must not be another run's (trainer.run_dir), whose command line .hydra/ keeps.
+    Either is one message here (conf/train.yaml names this callback)."""
 
     def on_run_start(self, config: DictConfig, **kwargs):
+        if config.mode == "train":
+            folder = Path(config.hydra.run.dir)
+            why = other_run(folder, restart_checkpoint(folder) or config.trainer.resume)
+            if why:
+                print(why, file=sys.stderr)
+                raise SystemExit(2)
         _make(config.hydra.run.dir, "hydra.run.dir")
 
     def on_multirun_start(self, config: DictConfig, **kwargs):
@@ -124,10 +133,9 @@ def main(dict_cfg: DictConfig):
         log.error("%s", e)
         raise SystemExit(2)
     except (KeyboardInterrupt, Terminated) as e:  # a checkpoint is written whole or not at all: those there are intact
-        from trainer import checkpoint
-        saved = checkpoint.saved(run_dir / "checkpoints")
+        found = saved(run_dir / "checkpoints")
         log.error("%s%s", "interrupted" if isinstance(e, KeyboardInterrupt) else "terminated",
-                  f"; continue from {saved[-1].name} with trainer.resume={run_dir}" if saved else "")
+                  f"; continue from {found[-1].name} with trainer.resume={run_dir}" if found else "")
         raise SystemExit(130 if isinstance(e, KeyboardInterrupt) else 143)  # as a shell reports SIGINT, SIGTERM
     except Exception:
         log.exception("the run failed")  # into this rank's log file too, not only onto stderr

@@ -16,6 +16,7 @@ from trainer.dtensor import ITEMSIZE
 from trainer.errors import CheckpointError
 from trainer.plan import Baseline, MemoryPlan
 from trainer.regions import Region
+from trainer.run_dir import run_folder, saved
 
 # Weights, EMA, half copies, BN statistics and optimizer moments: what training accumulates.
 STATE_REGIONS = tuple(r for r in Region if r.name[0] in "BWEAMVN")
@@ -78,25 +79,25 @@ def load(path: Path, arena: Arena, meta_now: dict, rank: int = 0, model_only: bo
     """Restore the arena's persistent state from `path`; of a region saved per rank, this
     rank's bytes (rank 0's when fewer ranks wrote it); returns the checkpoint's meta.
     model_only: the model's regions alone, for evaluation and export, from a checkpoint of
-    any optimizer, its state sharded or not (checkpoints written before model fingerprints
-    need the whole state to fit)."""
+    any optimizer, its state sharded or not, with the BN statistics of its ranks averaged
+    (checkpoints written before model fingerprints need the whole state to fit)."""
     payload = read(path)
     plan = arena.plan
     model_only = model_only and "model_fingerprint" in payload
     if (payload["model_fingerprint"] != model_fingerprint(plan) if model_only
             else payload["state_fingerprint"] != state_fingerprint(plan)):
-        run_dir = Path(path) if Path(path).is_dir() else Path(path).parent.parent
-        overrides = run_dir / ".hydra" / "overrides.yaml"  # where Hydra keeps the writer's command line
+        overrides = run_folder(path) / ".hydra" / "overrides.yaml"  # where Hydra keeps the writer's command line
         raise CheckpointError(f"checkpoint {path} does not fit this run: "
                               f"{_difference(payload, plan, meta_now, model_only)}; give the options of the run "
                               "that wrote it" + (f" ({overrides} lists them)" if overrides.exists() else ""))
     if model_only:  # tensor by tensor: the slots may lie elsewhere
         for r in MODEL_REGIONS:
             data, n = payload["regions"].get(r.name), payload["region_bytes"][r.name]
-            first = (rank if data is not None and rank < data.numel() // n else 0) * n
+            if data is not None and data.numel() > n:  # every rank's BN statistics (fp32): their mean,
+                data = data.view(-1, n).view(torch.float32).mean(0).view(torch.uint8)  # as ranks average them
             for t, offset in zip(plan.regions[r], payload["offsets"][r.name]):
                 nbytes = t.numel * ITEMSIZE[t.dtype]
-                arena.storage[t.offset:t.offset + nbytes].copy_(data[first + offset:first + offset + nbytes])
+                arena.storage[t.offset:t.offset + nbytes].copy_(data[offset:offset + nbytes])
     for name, data in payload["regions"].items() if not model_only else ():
         region = _region_bytes(arena, Region[name])
         n = region.numel()
@@ -123,12 +124,6 @@ def read(path: Path) -> dict:
     if not isinstance(payload, dict) or "state_fingerprint" not in payload:
         raise CheckpointError(f"{path} is not a checkpoint written by this trainer")
     return payload
-
-
-def saved(folder: Path) -> list[Path]:
-    """The checkpoints in a folder, oldest first. By epoch: the names pad it to four digits,
-    so epoch_10000 comes after epoch_9999 by its length, not its letters."""
-    return sorted(folder.glob("epoch_*.pt"), key=lambda p: (len(p.name), p.name))
 
 
 def latest(run_dir: Path) -> Path:

@@ -3,9 +3,9 @@ collective ops the loop calls. With one process every collective is the identity
 statistics are copied to B_PREV).
 
 One run directory serves the whole job: launch_overrides() gives every rank the same one,
-the same again when torchrun restarts the job, and restart_checkpoint() then continues from
-its newest checkpoint. Rank 0 writes run.log, metrics, plots and checkpoints; every other
-rank writes its warnings and errors to run_rank<r>.log there.
+the same again when torchrun restarts the job, and trainer.run_dir.restart_checkpoint()
+then continues from its newest checkpoint. Rank 0 writes run.log, metrics, plots and
+checkpoints; every other rank writes its warnings and errors to run_rank<r>.log there.
 """
 import atexit
 import hashlib
@@ -13,16 +13,15 @@ import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as td
 
-from trainer import checkpoint
 from trainer.arena import Arena
 from trainer.collectives import Comm, GradSync, ShardedUpdate
 from trainer.errors import ConfigError, PlanError
 from trainer.regions import Region as R
+from trainer.run_dir import agent_started_at
 
 
 @dataclass
@@ -195,25 +194,7 @@ def job_id(env=os.environ) -> str:
 
 def _agent_started() -> str:
     """The start time and pid of the parent process (Linux /proc), else its pid."""
-    agent = os.getppid()
-    try:
-        ticks = int(Path(f"/proc/{agent}/stat").read_text().rsplit(")", 1)[1].split()[19])
-        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime"))
-    except (OSError, ValueError, IndexError, StopIteration):
+    agent, started = os.getppid(), agent_started_at()
+    if started is None:
         return f"agent{agent}"
-    started = time.localtime(boot + ticks // os.sysconf("SC_CLK_TCK"))
-    return time.strftime("%Y-%m-%d_%H-%M-%S", started) + f"_{agent}"
-
-
-def restarted() -> bool:
-    """Whether torchrun restarted the job (TORCHELASTIC_RESTART_COUNT > 0)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
-
-
-def restart_checkpoint(run_dir: Path) -> str:
-    """After torchrun restarted the job: the run directory, whose newest checkpoint the run
-    continues from, if it has one; else ''."""
-    if not restarted():
-        return ""
-    return str(run_dir) if checkpoint.saved(run_dir / "checkpoints") else ""
+    return time.strftime("%Y-%m-%d_%H-%M-%S", time.localtime(started)) + f"_{agent}"

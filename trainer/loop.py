@@ -21,13 +21,14 @@ from trainer import checkpoint
 from trainer.arena import HALF
 from trainer.config import TrainConfig
 from trainer.data import build_sources, source_module
-from trainer.dist import Dist, device_for, restarted
+from trainer.dist import Dist, device_for
 from trainer.errors import ConfigError, NonFiniteLossError
 from trainer.feeder import BUFFERS, DoubleBuffer
 from trainer.future import TensorFuture
 from trainer.metrics import MetricsLog, Stopwatch, plot_curves, write_summary
 from trainer.plan import Baseline as B
 from trainer.regions import Region as R
+from trainer.run_dir import RECORDS, other_run
 from trainer.planner import bn_eps, first_conv
 from trainer.setup import assemble, use_device
 from trainer.whitening import whiten_first_conv
@@ -70,7 +71,7 @@ class Trainer:
         self.per_epoch = e.per_epoch
         self.total_steps = self.plans.main.config.schedule_steps
         self.feeder = DoubleBuffer(self.arena, self.plans.tensors)
-        self.metrics = self._records(run_dir, new=not (evaluate_only or t.resume or restarted()))
+        self.metrics = self._records(run_dir, claim=not evaluate_only)
         self.meta = checkpoint.identity(cfg)
         self.start_epoch, self.history = 0, []
         self.images, self.train_seconds, self.first_step_s = 0, 0.0, None  # of this run, as train_epoch adds them
@@ -78,7 +79,7 @@ class Trainer:
             done = checkpoint.load(Path(t.resume), self.arena, self.meta, dist.rank, model_only=evaluate_only)
             self.start_epoch, self.history = done["epoch"], done.get("history", [])
             if not evaluate_only:
-                self._check_epoch_length(t.resume)
+                self._check_epoch_length(t.resume, done.get("steps_per_epoch"))
             log.info("resumed from %s after epoch %d", t.resume, self.start_epoch)
         ready = self.clock()
         # a finished run resumed, or torchrun restarting a job after its last checkpoint
@@ -267,7 +268,7 @@ class Trainer:
         if not self.dist.is_main:
             return
         folder = self.run_dir / "checkpoints"
-        meta = {**self.meta, "epoch": epochs_done, "history": self.history}
+        meta = {**self.meta, "epoch": epochs_done, "history": self.history, "steps_per_epoch": self.per_epoch}
         checkpoint.save(folder / f"epoch_{epochs_done:04d}.pt", self.arena, meta, per_rank)
         checkpoint.prune(folder, self.cfg.trainer.keep_checkpoints)
 
@@ -289,32 +290,31 @@ class Trainer:
                 "peak_memory_bytes": torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None}
 
     # -- helpers ----------------------------------------------------------------------------
-    def _check_epoch_length(self, path):
-        """A resumed run's steps must be epochs of the checkpoint's length: the schedule, the
-        data order and the step count go by the step, so other ones would train on from the
-        wrong point of each (the learning rate jumping back, epochs cut short)."""
-        step = int(self.arena.to_host_async(self.plans.main[B.STEP]).get()[0])
-        expected = min(self.start_epoch * self.per_epoch, self.total_steps)
-        if step != expected:
+    def _check_epoch_length(self, path, saved: int | None):
+        """A resumed run's epochs must have the checkpoint's number of steps (`saved`; None
+        in checkpoints written before it was kept): the schedule, the data order and the step
+        count go by the step, so other ones would train on from the wrong point of each (the
+        learning rate jumping back, epochs cut short)."""
+        if saved is not None and saved != self.per_epoch:
             raise ConfigError(
-                f"{path} was saved after epoch {self.start_epoch} at step {step}, where this run's epochs of "
-                f"{self.per_epoch} steps reach step {expected}: trainer.batch_size, data.train_size, "
-                "trainer.drop_last, the number of ranks or a fractional trainer.epochs differ from the run that "
-                "wrote it; resume with its values")
+                f"{path} was trained in epochs of {saved} steps, and this run's have {self.per_epoch}: "
+                "trainer.batch_size, data.train_size, trainer.drop_last or the number of ranks differ from the "
+                "run that wrote it; resume with its values")
 
-    def _records(self, run_dir: Path, new: bool) -> MetricsLog:
-        """The run's metrics file. A new run claims its folder by creating it: another run's
-        checkpoints and records there (a reused hydra.run.dir, or two runs started in the
-        same second) are refused, not overwritten and pruned."""
-        saved = checkpoint.saved(run_dir / "checkpoints") if new and self.dist.is_main else []
-        if saved:
-            raise ConfigError(f"{run_dir} holds another run's checkpoints ({saved[-1].name}): continue that run "
-                              f"with trainer.resume={run_dir}, or give this one a folder of its own (hydra.run.dir=...)")
+    def _records(self, run_dir: Path, claim: bool) -> MetricsLog:
+        """The run's metrics file. A training run may not write into another run's folder
+        (trainer.run_dir), and a new one claims its folder by creating the file: of two runs
+        that started in the same second, the second is refused."""
+        new = False
+        if claim and self.dist.is_main:
+            why = other_run(run_dir, self.cfg.trainer.resume)
+            if why:
+                raise ConfigError(why)
+            new = not (run_dir / RECORDS).exists()
         try:
             return MetricsLog(run_dir, enabled=self.dist.is_main, log=log, new=new)
         except FileExistsError:
-            raise ConfigError(f"{run_dir} holds another run's records (metrics.jsonl): give this run a folder of "
-                              "its own (hydra.run.dir=...)") from None
+            raise ConfigError(other_run(run_dir, "")) from None
 
     def _first_step_done(self):
         """Time to first step: set-up, capture and one step, measured once (one sync)."""

@@ -10,6 +10,7 @@ from collections import deque
 from pathlib import Path
 
 from trainer.future import TensorFuture
+from trainer.run_dir import RECORDS
 
 
 class MetricsLog:
@@ -17,7 +18,7 @@ class MetricsLog:
         """new: the file must not exist (a new run claims its folder with it, FileExistsError
         if another has); else rows are appended (a resumed run's)."""
         self.enabled, self.log = enabled, log
-        self.file = open(run_dir / "metrics.jsonl", "x" if new else "a") if enabled else None
+        self.file = open(run_dir / RECORDS, "x" if new else "a") if enabled else None
         self.tty = enabled and sys.stdout.isatty()
         self.pending: deque = deque()
         self.last = None  # (future, images so far) of the last written step

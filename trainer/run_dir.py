@@ -1,0 +1,71 @@
+"""Whose a run folder is. A training run must not write into another run's folder: Hydra's
+timestamped folders are the same for two runs started in the same second, and
+hydra.run.dir and torchrun's --rdzv_id may be given again. The run whose checkpoints and
+records a folder holds continues in it: resumed from them, or restarted by torchrun's
+agent, which started before this job wrote anything there. No torch here: the Hydra
+callback that checks the folder runs before the configuration is read.
+"""
+import os
+from pathlib import Path
+
+RECORDS = "metrics.jsonl"
+
+
+def saved(folder: Path) -> list[Path]:
+    """The checkpoints in a folder, oldest first. By epoch: the names pad it to four digits,
+    so epoch_10000 comes after epoch_9999 by its length, not its letters."""
+    return sorted(Path(folder).glob("epoch_*.pt"), key=lambda p: (len(p.name), p.name))
+
+
+def agent_started_at() -> float | None:
+    """When this process's parent (torchrun's agent, which outlives the job's restarts)
+    started, in seconds since the epoch; None where Linux's /proc does not say."""
+    try:
+        ticks = int(Path(f"/proc/{os.getppid()}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def restarted() -> bool:
+    """Whether torchrun restarted the job (TORCHELASTIC_RESTART_COUNT > 0)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+
+
+def _this_jobs(path: Path) -> bool:
+    """Written since this job's agent started: by an earlier attempt of this job."""
+    started = agent_started_at()
+    return started is not None and path.stat().st_mtime >= started
+
+
+def restart_checkpoint(run_dir: Path) -> str:
+    """After torchrun restarted the job: the run folder, whose newest checkpoint the job
+    continues from, if this job wrote one there; else ''."""
+    found = saved(Path(run_dir) / "checkpoints") if restarted() else []
+    return str(run_dir) if found and _this_jobs(found[-1]) else ""
+
+
+def run_folder(checkpoint: str) -> Path:
+    """The run folder of a checkpoint path: a file in checkpoints/, that folder, or the run's."""
+    path = Path(checkpoint)
+    folder = path if path.is_dir() else path.parent
+    return (folder.parent if folder.name == "checkpoints" else folder).resolve()
+
+
+def other_run(run_dir: Path, resume: str) -> str | None:
+    """Why a training run resuming from `resume` ('' for a new one) may not write into
+    run_dir, or None: the folder holds the checkpoints or records of another run."""
+    run_dir = Path(run_dir)
+    found, records = saved(run_dir / "checkpoints"), run_dir / RECORDS
+    if not (found or records.exists()):
+        return None
+    if resume and run_folder(resume) == run_dir.resolve():
+        return None  # the run continues in its own folder
+    if restarted() and not found and _this_jobs(records):
+        return None  # torchrun restarted this job before its first checkpoint
+    if found:
+        return (f"{run_dir} holds another run's checkpoints ({found[-1].name}): continue that run with "
+                f"trainer.resume={run_dir}, or give this one a folder of its own (hydra.run.dir=...)")
+    return f"{run_dir} holds another run's records ({RECORDS}): give this run a folder of its own (hydra.run.dir=...)"
