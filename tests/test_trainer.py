@@ -219,6 +219,23 @@ def test_a_run_refused_its_folder_leaves_the_other_runs_command_line_there(tmp_p
     assert (other / ".hydra" / "overrides.yaml").read_text() == "- optimizer=lars\n"
 
 
+@pytest.mark.parametrize("mode", ["eval", "sweep"])
+def test_evaluations_and_sweeps_keep_out_of_another_runs_folder(tmp_path, mode):
+    other = tmp_path / ("other" if mode == "eval" else "sweep/0")
+    (other / "checkpoints").mkdir(parents=True)
+    (other / "checkpoints" / "epoch_0001.pt").write_bytes(b"")
+    args = ["mode=eval", f"checkpoint={other}"] if mode == "eval" else ["optimizer=sgd,lars"]
+    out = subprocess.run(command(other if mode == "eval" else other.parent, *args, multirun=mode == "sweep"),
+                         capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip() == (
+        f"{other} holds a training run's checkpoints or records: mode=eval would write its own files over that "
+        "run's; give it a folder of its own (hydra.run.dir=...)" if mode == "eval" else
+        f"{other.parent} holds another sweep's jobs (0/ has its checkpoints or records): give this sweep a folder "
+        "of its own (hydra.sweep.dir=...)")
+    assert list(other.iterdir()) == [other / "checkpoints"]  # nothing written beside them
+
+
 def test_whose_a_run_folder_is(tmp_path, monkeypatch):
     """A run continues in its own folder, resumed from it or restarted by torchrun's agent
     after it wrote there; any other training run is refused the folder, a torchrun job

@@ -86,21 +86,36 @@ MODES = {"plan": run_plan, "train": run_train, "eval": run_eval, "export": run_e
 
 class RunDirectory(Callback):
     """Checks the run's folder before Hydra makes it and writes its .hydra/ files there: one
-    Hydra cannot make (read-only, under a file) ends in its traceback, and a training run's
-    folder must not be another run's (trainer.run_dir), whose command line .hydra/ keeps.
-    Either is one message here (conf/train.yaml names this callback)."""
+    Hydra cannot make (read-only, under a file) ends in its traceback, and a folder must not
+    be another run's (trainer.run_dir), whose command line .hydra/ keeps. Either is one
+    message here (conf/train.yaml names this callback); a sweep's jobs' folders likewise."""
 
     def on_run_start(self, config: DictConfig, **kwargs):
-        if config.mode == "train":
-            folder = Path(config.hydra.run.dir)
-            why = other_run(folder, restart_checkpoint(folder) or config.trainer.resume)
-            if why:
-                print(why, file=sys.stderr)
-                raise SystemExit(2)
+        _refuse_another_runs(Path(config.hydra.run.dir), config)
         _make(config.hydra.run.dir, "hydra.run.dir")
 
     def on_multirun_start(self, config: DictConfig, **kwargs):
+        sweep = Path(config.hydra.sweep.dir)
+        for job in sorted(sweep.iterdir()) if sweep.is_dir() else ():
+            if job.is_dir() and other_run(job, ""):
+                print(f"{sweep} holds another sweep's jobs ({job.name}/ has its checkpoints or records): give this "
+                      "sweep a folder of its own (hydra.sweep.dir=...)", file=sys.stderr)
+                raise SystemExit(2)
         _make(config.hydra.sweep.dir, "hydra.sweep.dir")
+
+
+def _refuse_another_runs(folder: Path, config: DictConfig):
+    """A training run continues only its own run in a folder; the other modes write their
+    own summary.json and .hydra/ and so keep out of a training run's folder."""
+    if config.mode == "train":
+        why = other_run(folder, restart_checkpoint(folder) or config.trainer.resume)
+    else:
+        why = other_run(folder, "") and (f"{folder} holds a training run's checkpoints or records: mode={config.mode} "
+                                         "would write its own files over that run's; give it a folder of its own "
+                                         "(hydra.run.dir=...)")
+    if why:
+        print(why, file=sys.stderr)
+        raise SystemExit(2)
 
 
 def _make(folder: str, key: str):
