@@ -18,7 +18,7 @@ from tests.helpers import assert_same_state, persistent_state, profile_share, ta
 from trainer import checkpoint
 from trainer.config import compose_config
 from trainer.dist import Dist
-from trainer.errors import CheckpointError, ConfigError, NonFiniteLossError
+from trainer.errors import CheckpointError, ConfigError, DivergedError
 from trainer.future import TensorFuture
 from trainer.plan import Baseline as B
 from trainer.regions import Region as R
@@ -387,12 +387,20 @@ def test_the_images_counted_at_each_step_include_a_short_last_batch(tmp_path, mo
     assert counted == {e * 16 + i: e * 500 + min(i * 32, 500) for e in range(2) for i in range(1, 17)}
 
 
+def test_a_finite_but_diverged_loss_stops_the_run_before_its_checkpoint(tmp_path):
+    """A learning rate of 1e9 trains on at losses of 1e24, never NaN, at chance accuracy."""
+    with pytest.raises(DivergedError, match=r"the epoch's training loss, .*e\+2\d, is over 1000 times a uniform "
+                                            r"guess's \(2.3\): training diverged and stopped. Checkpoints saved"):
+        train(tmp_path, "optimizer.lr=1e9", "trainer.epochs=2")
+    assert not list((tmp_path / "checkpoints").glob("*"))
+
+
 def test_a_nan_late_in_the_last_epoch_stops_the_run_while_the_device_runs_behind(tmp_path, monkeypatch):
     """On a GPU the host runs ahead, so the flag's copy queued at a logged step is still in
     flight at the next ones; the check at the epoch's end must still see the last step's."""
     monkeypatch.setattr(TensorFuture, "is_ready", lambda self: False)
     # the learning rate becomes infinite half-way through the second and last epoch
-    with pytest.raises(NonFiniteLossError):
+    with pytest.raises(DivergedError):
         train(tmp_path, "trainer.log_every=4", "schedule=step", "schedule.milestones=[1.5]", "schedule.gamma=inf",
               "trainer.epochs=2")
 

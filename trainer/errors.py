@@ -21,5 +21,6 @@ class CheckpointError(TrainerError):
     """A checkpoint that cannot be read or belongs to another model or plan."""
 
 
-class NonFiniteLossError(TrainerError):
-    """Training produced a NaN or infinite loss (under AMP too: no loss scale mends a forward pass)."""
+class DivergedError(TrainerError):
+    """Training diverged: a NaN or infinite loss (under AMP too: no loss scale mends a forward
+    pass), or an epoch's loss too large to come from a model that still learns."""

@@ -22,7 +22,7 @@ from trainer.arena import HALF
 from trainer.config import TrainConfig
 from trainer.data import build_sources, source_module
 from trainer.dist import Dist, device_for
-from trainer.errors import ConfigError, NonFiniteLossError
+from trainer.errors import ConfigError, DivergedError
 from trainer.feeder import BUFFERS, DoubleBuffer
 from trainer.future import TensorFuture
 from trainer.metrics import MetricsLog, Stopwatch, plot_curves, write_summary
@@ -189,6 +189,7 @@ class Trainer:
             self._check_finite(block=True)
             self.train_seconds += self._elapsed(start, end)
             loss, top1, top5, count = sums.get().tolist()
+            self._check_loss(loss / count)
             return {"epoch": epoch + 1, "train_loss": loss / count, "train_top1": top1 / count,
                     "train_top5": top5 / count}
         return result
@@ -336,12 +337,24 @@ class Trainer:
             return
         self._nan_future = None
         if int(pending.get()[0]):
-            raise NonFiniteLossError(
-                "the training loss became NaN or infinite; the step was skipped and training stopped. "
-                f"Checkpoints saved so far are intact in {self.run_dir / 'checkpoints'}. Lower optimizer.lr "
-                "or add a warm-up (schedule.warmup_epochs)" + (
-                    "; under fp16 activations beyond 65504 overflow, amp_dtype=bf16 has fp32's range."
-                    if self.cfg.amp and self.cfg.amp_dtype == "fp16" else "."))
+            self._diverged("the training loss became NaN or infinite; the step was skipped and training stopped")
+
+    def _check_loss(self, loss: float):
+        """An epoch's mean training loss a thousand times a uniform guess's (ln classes: a true
+        class's probability under e^-2300 for ten classes) stops the run too, before its
+        checkpoint: finite, but from a model that has diverged (a learning rate of 1e9 trains
+        on at losses of 1e24 and chance accuracy)."""
+        guess = math.log(self.cfg.model.num_classes)
+        if loss > 1000 * guess:
+            self._diverged(f"the epoch's training loss, {loss:.3g}, is over 1000 times a uniform guess's "
+                           f"({guess:.3g}): training diverged and stopped")
+
+    def _diverged(self, what: str):
+        raise DivergedError(
+            f"{what}. Checkpoints saved so far are intact in {self.run_dir / 'checkpoints'}. Lower optimizer.lr "
+            "or add a warm-up (schedule.warmup_epochs)" + (
+                "; under fp16 activations beyond 65504 overflow, amp_dtype=bf16 has fp32's range."
+                if self.cfg.amp and self.cfg.amp_dtype == "fp16" else "."))
 
     def _event(self):
         if self.device.type == "cuda":
