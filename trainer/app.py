@@ -5,12 +5,15 @@ import signal
 import sys
 from pathlib import Path
 
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from trainer.config import TrainConfig, validate
-from trainer.errors import CheckpointError, TrainerError
+from trainer.errors import CheckpointError, ConfigError, TrainerError
 from trainer.run_dir import other_run, restart_checkpoint, saved
 
 log = logging.getLogger("trainer")
@@ -101,7 +104,28 @@ class RunDirectory(Callback):
                 print(f"{sweep} holds another sweep's jobs ({job.name}/ has its checkpoints or records): give this "
                       "sweep a folder of its own (hydra.sweep.dir=...)", file=sys.stderr)
                 raise SystemExit(2)
+        _validate_jobs(config)
         _make(config.hydra.sweep.dir, "hydra.sweep.dir")
+
+
+def _validate_jobs(config: DictConfig):
+    """Every job of a sweep validated before the first one runs: Hydra composes them all
+    first, which catches a misspelled key or a wrong type, but a value validate() refuses
+    in a job listed late would stop the sweep only after the jobs before it had trained."""
+    if config.hydra.sweeper._target_ != f"{BasicSweeper.__module__}.{BasicSweeper.__name__}":
+        return  # other sweepers choose their jobs as they go
+    loader = GlobalHydra.instance().config_loader()
+    params = [f"{key}={value}" for key, value in (config.hydra.sweeper.params or {}).items()]
+    overrides = OverridesParser.create(config_loader=loader).parse_overrides(params + list(config.hydra.overrides.task))
+    for number, job in enumerate(BasicSweeper.split_arguments(overrides, None)[0]):
+        job_config = loader.load_sweep_config(config, list(job))
+        with open_dict(job_config):
+            del job_config["hydra"]
+        try:
+            validate(OmegaConf.to_object(job_config))
+        except ConfigError as e:
+            print(f"sweep job {number} ({' '.join(job)}): {e}; no job has run", file=sys.stderr)
+            raise SystemExit(2)
 
 
 def _refuse_another_runs(folder: Path, config: DictConfig):
