@@ -141,6 +141,25 @@ def test_ctrl_c_names_the_checkpoint_to_continue_from_which_resumes(tmp_path, se
     assert json.loads((tmp_path / "resumed" / "summary.json").read_text())["epochs"] == epoch + 1
 
 
+# Ctrl-C as a module loads: one of run.py's imports, then one that Hydra imports as it composes
+@pytest.mark.parametrize("module", ["trainer.app", "omegaconf._impl"])
+def test_ctrl_c_before_the_run_starts_is_one_line(tmp_path, module):
+    press_ctrl_c_on_import = f"""
+import runpy, signal, sys
+class CtrlC:
+    def find_spec(self, name, path=None, target=None):
+        if name == {module!r}:
+            signal.raise_signal(signal.SIGINT)
+sys.meta_path.insert(0, CtrlC())
+sys.argv = {command(tmp_path / "run")[1:]!r}
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+    out = subprocess.run([sys.executable, "-c", press_ctrl_c_on_import], capture_output=True, text=True, cwd=tmp_path,
+                         timeout=120)
+    assert (out.returncode, out.stderr) == (130, "interrupted\n")
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_checkpoint_that_cannot_be_written_stops_the_run_and_keeps_the_earlier_ones(tmp_path, monkeypatch):
     """A failed write (a full disk): the half-written file goes, the message names the
     checkpoint and how to continue, and the earlier checkpoint still resumes."""
@@ -337,6 +356,16 @@ def test_multirun_sweeps_two_jobs(tmp_path):
     summaries = sorted(tmp_path.glob("*/summary.json"))
     assert len(summaries) == 2
     assert all(json.loads(p.read_text())["steps"] == 16 for p in summaries)
+
+
+def test_a_sweep_with_a_bad_value_in_a_late_job_runs_no_job(tmp_path):
+    """Each job's values are checked before the first job trains, not when its turn comes."""
+    sweep = tmp_path / "sweep"
+    out = run(sweep, "optimizer=sgd,lars", "trainer.batch_size=32,0", "trainer.epochs=1", *TINY[:2], multirun=True)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip() == ("sweep job 1 (optimizer=sgd trainer.batch_size=0 trainer.epochs=1 data.train_size=512 "
+                                  "data.val_size=128): trainer.batch_size=0 must be positive; no job has run")
+    assert not sweep.exists()
 
 
 @pytest.mark.parametrize("group", sorted(p.name for p in CONF.iterdir() if p.is_dir()))
