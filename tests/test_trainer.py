@@ -467,6 +467,23 @@ def test_eval_mode_reproduces_the_final_evaluation(tmp_path):
     assert result["val_top1"] == final["val_top1"] and result["val_loss"] == pytest.approx(final["val_loss"])
 
 
+def test_eval_and_export_take_the_model_options_of_the_run_that_wrote_the_checkpoint(tmp_path):
+    """Only the checkpoint on the command line: its model, amp, ema and fold_bn options come
+    with it; a model given there instead is the one built, and refused by name."""
+    trained = train(tmp_path / "run", "model=cifar_resnet20_narrow", "amp=true", "amp_dtype=bf16", "ema=true",
+                    "fold_bn=true", "trainer.epochs=1")
+    out = run(tmp_path / "eval", "mode=eval", *TINY, f"checkpoint={tmp_path / 'run'}")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "amp=True amp_dtype=bf16 ema=True fold_bn=True model.name=cifar_resnet model.width=8" in out.stdout
+    result, final = json.loads((tmp_path / "eval" / "summary.json").read_text()), trained.history[-1]
+    assert result["val_top1"] == final["val_top1"] and result["val_loss"] == pytest.approx(final["val_loss"])
+    out = run(tmp_path / "export", "mode=export", *TINY, f"checkpoint={tmp_path / 'run'}")
+    assert out.returncode == 0, out.stdout + out.stderr
+    out = run(tmp_path / "other", "mode=eval", "model=resnet18", *TINY, f"checkpoint={tmp_path / 'run'}")
+    assert out.returncode == 2 and ("model: checkpoint 'cifar_resnet', this run 'resnet18'; leave those options out: "
+                                    "evaluation and export take them from the checkpoint") in out.stdout
+
+
 def test_training_and_evaluation_programs_are_told_apart(tmp_path):
     # mode=eval captures only keys(train=False): the evaluation variants, on both buffers
     from trainer.loop import Trainer

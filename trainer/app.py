@@ -12,7 +12,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from trainer.config import TrainConfig, validate
+from trainer.config import TrainConfig, take_options, validate
 from trainer.errors import CheckpointError, ConfigError, TrainerError
 from trainer.run_dir import other_run, restart_checkpoint, saved
 
@@ -40,10 +40,17 @@ def run_train(cfg: TrainConfig, run_dir: Path):
     log.info("summary: %s", json.dumps(summary))
 
 
-def _checkpoint_path(cfg: TrainConfig) -> str:
+def _from_checkpoint(cfg: TrainConfig) -> str:
+    """The checkpoint that mode=eval or export reads; cfg takes the model, amp and ema options
+    of the run that wrote it, but for those its command line gives."""
+    from trainer import checkpoint
     path = cfg.checkpoint or cfg.trainer.resume
     if not path:
         raise CheckpointError(f"mode={cfg.mode} needs checkpoint=PATH (a checkpoint file or a run directory)")
+    given = [override.split("=", 1)[0].lstrip("+~") for override in HydraConfig.get().overrides.task]
+    taken = take_options(cfg, checkpoint.read(Path(path))["meta"].get("options", {}), given)
+    if taken:
+        log.info("as the run that wrote %s: %s", path, " ".join(f"{key}={value}" for key, value in taken.items()))
     return path
 
 
@@ -51,7 +58,7 @@ def run_eval(cfg: TrainConfig, run_dir: Path):
     from trainer import dist
     from trainer.loop import Trainer
     from trainer.metrics import to_json, write_summary
-    cfg.trainer.resume = _checkpoint_path(cfg)
+    cfg.trainer.resume = _from_checkpoint(cfg)
     trainer = Trainer(cfg, run_dir, dist.start(cfg), evaluate_only=True)
     result = trainer.evaluate()
     print(to_json(result))
@@ -66,11 +73,11 @@ def run_export(cfg: TrainConfig, run_dir: Path):
     from trainer.binding import bind
     from trainer.export import state_dict
     from trainer.setup import make_plans
+    path = _from_checkpoint(cfg)
     model, plans, _ = make_plans(cfg)
     arena = Arena(plans.main)
     tensors = plans.tensors[plans.variants[0].name]
     bind(model, tensors, arena)
-    path = _checkpoint_path(cfg)
     checkpoint.load(Path(path), arena, checkpoint.identity(cfg), model_only=True)
     torch.save(state_dict(tensors, arena, cfg.ema), run_dir / "model_state_dict.pt")
     log.info("wrote %s (from %s)", run_dir / "model_state_dict.pt", path)

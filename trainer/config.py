@@ -4,6 +4,7 @@ that type-check but cannot work. Both end in one message and a non-zero exit."""
 import math
 import os
 from dataclasses import dataclass, field, fields, is_dataclass
+from functools import reduce
 from pathlib import Path
 from typing import Any
 
@@ -228,6 +229,29 @@ def _get(cfg, dotted: str):
     for part in dotted.split("."):
         cfg = getattr(cfg, part)
     return cfg
+
+
+# The options that shape the model and its tensors in the arena. A checkpoint records its
+# writer's, and evaluation and export take them where their command line does not give them.
+MODEL_OPTIONS = ("amp", "amp_dtype", "ema", "fold_bn", "data.num_classes", *(f"model.{f.name}" for f in fields(ModelConfig)))
+
+
+def model_options(cfg: TrainConfig) -> dict[str, Any]:
+    return {key: _get(cfg, key) for key in MODEL_OPTIONS}
+
+
+def take_options(cfg: TrainConfig, options: dict[str, Any], given) -> dict[str, Any]:
+    """Sets cfg's MODEL_OPTIONS to `options` but for those `given` (keys as a command line
+    names them: a group's choice, model=..., gives model.name; data.num_classes gives the
+    model's too, which follows it); returns those that changed."""
+    given = set(given) | {f"{key}.name" for key in given if key == "model"}
+    given |= {"model.num_classes"} if "data.num_classes" in given else set()
+    changed = {key: value for key, value in options.items()
+               if key in MODEL_OPTIONS and key not in given and _get(cfg, key) != value}
+    for key, value in changed.items():
+        *parents, last = key.split(".")
+        setattr(reduce(getattr, parents, cfg), last, value)
+    return changed
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:

@@ -19,7 +19,7 @@ import torch
 import kernels
 from trainer import checkpoint
 from trainer.arena import HALF
-from trainer.config import TrainConfig
+from trainer.config import TrainConfig, model_options
 from trainer.data import build_sources, source_module
 from trainer.dist import Dist, device_for
 from trainer.errors import ConfigError, DivergedError
@@ -269,7 +269,8 @@ class Trainer:
         if not self.dist.is_main:
             return
         folder = self.run_dir / "checkpoints"
-        meta = {**self.meta, "epoch": epochs_done, "history": self.history, "steps_per_epoch": self.per_epoch}
+        meta = {**self.meta, "options": model_options(self.cfg), "epoch": epochs_done, "history": self.history,
+                "steps_per_epoch": self.per_epoch}
         checkpoint.save(folder / f"epoch_{epochs_done:04d}.pt", self.arena, meta, per_rank)
         checkpoint.prune(folder, self.cfg.trainer.keep_checkpoints)
 
