@@ -468,13 +468,14 @@ def test_eval_mode_reproduces_the_final_evaluation(tmp_path):
 
 
 def test_eval_and_export_take_the_model_options_of_the_run_that_wrote_the_checkpoint(tmp_path):
-    """Only the checkpoint on the command line: its model, amp, ema and fold_bn options come
-    with it; a model given there instead is the one built, and refused by name."""
+    """Only the checkpoint on the command line: its model, resolution, amp, ema and fold_bn
+    options come with it; a model given there instead is the one built, and refused by name."""
     trained = train(tmp_path / "run", "model=cifar_resnet20_narrow", "amp=true", "amp_dtype=bf16", "ema=true",
-                    "fold_bn=true", "trainer.epochs=1")
+                    "fold_bn=true", "data.resolution=24", "trainer.epochs=1")
     out = run(tmp_path / "eval", "mode=eval", *TINY, f"checkpoint={tmp_path / 'run'}")
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "amp=True amp_dtype=bf16 ema=True fold_bn=True model.name=cifar_resnet model.width=8" in out.stdout
+    assert "amp=True amp_dtype=bf16 ema=True fold_bn=True data.resolution=24 model.name=cifar_resnet model.width=8" \
+        in out.stdout
     result, final = json.loads((tmp_path / "eval" / "summary.json").read_text()), trained.history[-1]
     assert result["val_top1"] == final["val_top1"] and result["val_loss"] == pytest.approx(final["val_loss"])
     out = run(tmp_path / "export", "mode=export", *TINY, f"checkpoint={tmp_path / 'run'}")

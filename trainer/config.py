@@ -231,9 +231,11 @@ def _get(cfg, dotted: str):
     return cfg
 
 
-# The options that shape the model and its tensors in the arena. A checkpoint records its
-# writer's, and evaluation and export take them where their command line does not give them.
-MODEL_OPTIONS = ("amp", "amp_dtype", "ema", "fold_bn", "data.num_classes", *(f"model.{f.name}" for f in fields(ModelConfig)))
+# The options that shape the model, its tensors in the arena and the images it takes. A
+# checkpoint records its writer's, and evaluation and export take them where their command
+# line does not give them.
+MODEL_OPTIONS = ("amp", "amp_dtype", "ema", "fold_bn", "data.num_classes", "data.resolution",
+                 *(f"model.{f.name}" for f in fields(ModelConfig)))
 
 
 def model_options(cfg: TrainConfig) -> dict[str, Any]:
