@@ -41,8 +41,8 @@ def run_train(cfg: TrainConfig, run_dir: Path):
 
 
 def _from_checkpoint(cfg: TrainConfig) -> str:
-    """The checkpoint that mode=eval or export reads; cfg takes the model, amp and ema options
-    of the run that wrote it, but for those its command line gives."""
+    """The checkpoint that mode=eval or export reads; cfg takes the model options of the run
+    that wrote it (config.MODEL_OPTIONS), but for those its command line gives."""
     from trainer import checkpoint
     path = cfg.checkpoint or cfg.trainer.resume
     if not path:
