@@ -212,6 +212,59 @@ def test_resuming_with_epochs_of_another_length_is_refused(tmp_path):
                 tmp_path / "b", Dist())
 
 
+def test_a_run_stopped_inside_an_epoch_is_not_trained_on_as_if_it_were_whole(tmp_path):
+    """trainer.epochs=1.5 ends 8 steps into epoch 2; asked for more, a resume would skip the
+    epoch's other 8 steps: refused. Asked for the same, it has nothing left to train."""
+    from trainer.loop import Trainer
+    train(tmp_path / "a", "trainer.epochs=1.5")
+    with pytest.raises(ConfigError, match="ends 8 of 16 steps into epoch 2 .*continue from epoch 1's checkpoint"):
+        Trainer(config(*TINY, "trainer.epochs=3", f"trainer.resume={tmp_path / 'a'}"), tmp_path / "b", Dist())
+    same = Trainer(config(*TINY, "trainer.epochs=1.5", f"trainer.resume={tmp_path / 'a'}"), tmp_path / "c", Dist())
+    assert same.fit()["steps"] == 24
+
+
+def test_a_refused_resume_leaves_its_folder_free_and_a_finished_one_its_summary(tmp_path):
+    from trainer.loop import Trainer
+    train(tmp_path / "a", "trainer.epochs=1")
+    with pytest.raises(CheckpointError, match="does not fit this run"):
+        Trainer(config(*TINY, "model=cifar_resnet20", f"trainer.resume={tmp_path / 'a'}"), tmp_path / "b", Dist())
+    assert not (tmp_path / "b" / "metrics.jsonl").exists()  # a corrected command may start there
+    summary = (tmp_path / "a" / "summary.json").read_text()
+    Trainer(config(*TINY, "trainer.epochs=1", f"trainer.resume={tmp_path / 'a'}"), tmp_path / "a", Dist()).fit()
+    assert (tmp_path / "a" / "summary.json").read_text() == summary  # its timings, not a run's of nothing
+
+
+def test_a_resume_on_another_schedule_length_says_where_the_learning_rate_moves(tmp_path, caplog):
+    from trainer.loop import Trainer
+    train(tmp_path / "a", "trainer.epochs=2", "trainer.stop_after_epoch=1")
+    with caplog.at_level("WARNING", logger="trainer"):
+        Trainer(config(*TINY, "trainer.epochs=4", f"trainer.resume={tmp_path / 'a'}"), tmp_path / "a", Dist())
+    # the cosine over 32 steps is at half its peak after 16; over 64, at 0.854
+    assert re.search(r"trained on a schedule of 32 steps and this run's has 64 \(another trainer.epochs\): the "
+                     r"learning rate at step 16 is 0.854 of its peak, where it was 0.5", caplog.text), caplog.text
+
+
+def test_a_resume_goes_on_in_its_runs_folder_which_keeps_its_first_command_line(tmp_path):
+    """Without hydra.run.dir a resumed run continues in the folder of the run it resumes,
+    not in a new timestamped one; Hydra's record of the first command line stays, and the
+    resumed one is written beside it. An older checkpoint of the folder is refused: training
+    on from it would write over the newer ones."""
+    first = run(tmp_path / "run", *TINY, "trainer.epochs=3", "trainer.stop_after_epoch=2")
+    assert first.returncode == 0, first.stdout + first.stderr
+    hydra = tmp_path / "run" / ".hydra"
+    started = (hydra / "overrides.yaml").read_text()
+    resume = [sys.executable, str(ROOT / "run.py"), *TINY, "trainer.epochs=3", f"trainer.resume={tmp_path / 'run'}"]
+    out = subprocess.run(resume, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no outputs/DATE/TIME beside it
+    assert [p.name for p in saved(tmp_path / "run" / "checkpoints")] == ["epoch_0002.pt", "epoch_0003.pt"]
+    assert (hydra / "overrides.yaml").read_text() == started
+    assert f"trainer.resume={tmp_path / 'run'}" in (hydra / "resumed_1" / "overrides.yaml").read_text()
+    older = subprocess.run([*resume[:-1], f"trainer.resume={tmp_path / 'run' / 'checkpoints' / 'epoch_0002.pt'}"],
+                           capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert older.returncode == 2 and "is not its run's newest checkpoint (epoch_0003.pt is)" in older.stderr
+
+
 @pytest.mark.parametrize("multirun", [False, True], ids=["run", "sweep"])
 def test_a_run_folder_that_cannot_be_made_is_one_message(tmp_path, multirun):
     (tmp_path / "file").write_text("")  # a folder under a file cannot be made
@@ -299,18 +352,28 @@ def test_checkpoint_from_another_model_is_refused(tmp_path):
         train(tmp_path / "c", "trainer.epochs=1", "optimizer=lars", f"trainer.resume={tmp_path / 'a'}")
 
 
-@pytest.mark.parametrize("damage", ["truncated", "objects beside tensors"])
-def test_a_damaged_checkpoint_is_refused_in_one_line_with_its_path(tmp_path, damage):
+@pytest.mark.parametrize("damage", ["truncated", "objects beside tensors", "no regions", "a region cut short"])
+@pytest.mark.parametrize("reader", ["resume", "eval"])
+def test_a_damaged_checkpoint_is_refused_in_one_line_with_its_path(tmp_path, damage, reader):
     """One line naming the file and what to do; none of torch.load's advice to its own
-    callers (weights_only=False would run whatever the file holds)."""
+    callers (weights_only=False would run whatever the file holds), nor a KeyError or a
+    size mismatch from a file that loads but lacks parts."""
+    from trainer.loop import Trainer
     train(tmp_path / "a", "trainer.epochs=1")
     path = checkpoint.latest(tmp_path / "a")
+    saved = torch.load(path, weights_only=True)
     if damage == "truncated":
         path.write_bytes(path.read_bytes()[:1000])
-    else:  # torch.save's archive, of what a tensors-only load refuses
+    elif damage == "objects beside tensors":  # torch.save's archive, of what a tensors-only load refuses
         torch.save({"run_dir": tmp_path}, path)
-    with pytest.raises(CheckpointError, match="is not a readable checkpoint .*truncated") as refused:
-        train(tmp_path / "b", "trainer.epochs=1", f"trainer.resume={path}")
+    elif damage == "no regions":
+        torch.save({k: v for k, v in saved.items() if k != "regions"}, path)
+    else:
+        torch.save({**saved, "regions": {k: v[:10] for k, v in saved["regions"].items()}}, path)
+    with pytest.raises(CheckpointError, match="is not a readable checkpoint .*truncated" if damage in (
+            "truncated", "objects beside tensors") else "is damaged .*use an earlier checkpoint") as refused:
+        Trainer(config(*TINY, "trainer.epochs=1", f"trainer.resume={path}"), tmp_path / "b", Dist(),
+                evaluate_only=reader == "eval")
     message = str(refused.value)
     assert str(path) in message and "\n" not in message and "weights_only" not in message, message
 
@@ -668,11 +731,13 @@ def test_cutout_beyond_the_resident_small_images_is_refused(overrides):
     (["schedule=step", "schedule.milestones=[-1]"], r"schedule.milestones=\[-1.0\] must be epochs"),
     (["checkpoint=/runs/a"], "checkpoint=/runs/a is read by mode=eval and mode=export only; to continue training "
                              "from it use trainer.resume=/runs/a"),
+    (["trainer.lookahead=true"], "trainer.lookahead=true copies the EMA weights back .* ema=false keeps none"),
 ])
 def test_settings_that_would_be_ignored_or_misread_are_refused(overrides, message):
     """Each would otherwise train without a word: a key added by + beside the schema's (a
     misspelling Hydra's own advice leads to), a view count the evaluation does not know, a
-    learning rate turned negative, a checkpoint that training does not read."""
+    learning rate turned negative, a checkpoint that training does not read, lookahead
+    without the EMA it reads."""
     with pytest.raises(ConfigError, match=message):
         config(*overrides)
 

@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from trainer.config import TrainConfig, take_options, validate
 from trainer.errors import CheckpointError, ConfigError, TrainerError
-from trainer.run_dir import other_run, restart_checkpoint, saved
+from trainer.run_dir import other_run, restart_checkpoint, resumed_folder, saved
 
 log = logging.getLogger("trainer")
 
@@ -42,7 +42,7 @@ def run_train(cfg: TrainConfig, run_dir: Path):
 
 def _from_checkpoint(cfg: TrainConfig) -> str:
     """The checkpoint that mode=eval or export reads; cfg takes the model options of the run
-    that wrote it (config.MODEL_OPTIONS), but for those its command line gives."""
+    that wrote it (config.CHECKPOINT_OPTIONS), but for those its command line gives."""
     from trainer import checkpoint
     path = cfg.checkpoint or cfg.trainer.resume
     if not path:
@@ -101,6 +101,8 @@ class RunDirectory(Callback):
     message here (conf/train.yaml names this callback); a sweep's jobs' folders likewise."""
 
     def on_run_start(self, config: DictConfig, **kwargs):
+        if config.mode == "train" and config.trainer.resume:
+            _continue_in_its_folder(config)
         _refuse_another_runs(Path(config.hydra.run.dir), config)
         _make(config.hydra.run.dir, "hydra.run.dir")
 
@@ -133,6 +135,22 @@ def _validate_jobs(config: DictConfig):
         except ConfigError as e:
             print(f"sweep job {number} ({' '.join(job)}): {e}; no job has run", file=sys.stderr)
             raise SystemExit(2)
+
+
+def _continue_in_its_folder(config: DictConfig):
+    """A resumed run goes on in the folder of the run it continues, unless hydra.run.dir
+    names another (a branch), rather than in a new timestamped one that would hold only the
+    rest of the run. Hydra writes the resumed command line beside the first one's, in
+    .hydra/resumed_N, so that the folder keeps how its run was started."""
+    given = [override.split("=", 1)[0].lstrip("+") for override in config.hydra.overrides.hydra]
+    folder = resumed_folder(config.trainer.resume)
+    with open_dict(config):
+        if folder is not None and "hydra.run.dir" not in given:
+            config.hydra.run.dir = str(folder)
+        run_dir = Path(config.hydra.run.dir)
+        if config.hydra.output_subdir and (run_dir / config.hydra.output_subdir).is_dir():
+            number = 1 + sum(1 for _ in run_dir.glob(f"{config.hydra.output_subdir}/resumed_*"))
+            config.hydra.output_subdir = f"{config.hydra.output_subdir}/resumed_{number}"
 
 
 def _refuse_another_runs(folder: Path, config: DictConfig):

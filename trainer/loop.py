@@ -19,7 +19,7 @@ import torch
 import kernels
 from trainer import checkpoint
 from trainer.arena import HALF
-from trainer.config import TrainConfig, model_options
+from trainer.config import TrainConfig, checkpoint_options
 from trainer.data import build_sources, source_module
 from trainer.dist import Dist, device_for
 from trainer.errors import ConfigError, DivergedError
@@ -29,6 +29,7 @@ from trainer.metrics import MetricsLog, Stopwatch, plot_curves, write_summary
 from trainer.plan import Baseline as B
 from trainer.regions import Region as R
 from trainer.run_dir import RECORDS, other_run
+from trainer.schedule import lr_multipliers
 from trainer.planner import bn_eps, first_conv
 from trainer.setup import assemble, use_device
 from trainer.whitening import whiten_first_conv
@@ -71,7 +72,6 @@ class Trainer:
         self.per_epoch = e.per_epoch
         self.total_steps = self.plans.main.config.schedule_steps
         self.feeder = DoubleBuffer(self.arena, self.plans.tensors)
-        self.metrics = self._records(run_dir, claim=not evaluate_only)
         self.meta = checkpoint.identity(cfg)
         self.start_epoch, self.history = 0, []
         self.images, self.train_seconds, self.first_step_s = 0, 0.0, None  # of this run, as train_epoch adds them
@@ -80,7 +80,11 @@ class Trainer:
             self.start_epoch, self.history = done["epoch"], done.get("history", [])
             if not evaluate_only:
                 self._check_epoch_length(t.resume, done.get("steps_per_epoch"))
+                self._check_whole_epochs(t.resume, done.get("steps"))
+                self._check_schedule(t.resume, done.get("schedule_steps"))
             log.info("resumed from %s after epoch %d", t.resume, self.start_epoch)
+        # claimed once the checkpoint is accepted: a refused start leaves the folder as it was
+        self.metrics = self._records(run_dir, claim=not evaluate_only)
         ready = self.clock()
         # a finished run resumed, or torchrun restarting a job after its last checkpoint
         finished = not evaluate_only and self.start_epoch >= math.ceil(t.epochs)
@@ -250,8 +254,8 @@ class Trainer:
         self.run_seconds = self._elapsed(run_start, result_at if result_at is not None else self._event())
         self.metrics.close()
         summary = self.summary(row)
-        if self.dist.is_main:
-            write_summary(self.run_dir, summary)
+        if self.dist.is_main and (self.start_epoch < epochs or not (self.run_dir / "summary.json").exists()):
+            write_summary(self.run_dir, summary)  # not over a finished run's own, with nothing trained
             if self.history:
                 plot_curves(self.run_dir, self.history)
         return summary
@@ -269,8 +273,9 @@ class Trainer:
         if not self.dist.is_main:
             return
         folder = self.run_dir / "checkpoints"
-        meta = {**self.meta, "options": model_options(self.cfg), "epoch": epochs_done, "history": self.history,
-                "steps_per_epoch": self.per_epoch}
+        meta = {**self.meta, "options": checkpoint_options(self.cfg), "epoch": epochs_done, "history": self.history,
+                "steps_per_epoch": self.per_epoch, "steps": min(epochs_done * self.per_epoch, self.total_steps),
+                "schedule_steps": self.total_steps}
         checkpoint.save(folder / f"epoch_{epochs_done:04d}.pt", self.arena, meta, per_rank)
         checkpoint.prune(folder, self.cfg.trainer.keep_checkpoints)
 
@@ -302,6 +307,30 @@ class Trainer:
                 f"{path} was trained in epochs of {saved} steps, and this run's have {self.per_epoch}: "
                 "trainer.batch_size, data.train_size, trainer.drop_last or the number of ranks differ from the "
                 "run that wrote it; resume with its values")
+
+    def _check_whole_epochs(self, path, steps: int | None):
+        """A fractional trainer.epochs ends its run part way through the last epoch, and the
+        checkpoint then holds `steps` (None in checkpoints written before they were kept). An
+        epoch's steps run from its first (the data order, the step count), so a run that
+        would train on cannot start inside one: it would skip the epoch's rest."""
+        if steps is not None and steps < self.start_epoch * self.per_epoch and self.total_steps > steps:
+            raise ConfigError(
+                f"{path} ends {steps % self.per_epoch} of {self.per_epoch} steps into epoch {self.start_epoch} (its run "
+                f"stopped at a fractional trainer.epochs), and a run trains on only from the end of a whole epoch: "
+                + (f"continue from epoch {self.start_epoch - 1}'s checkpoint, if it is kept, in a folder of its own "
+                   "(hydra.run.dir=...), or train from scratch" if self.start_epoch > 1 else "train from scratch"))
+
+    def _check_schedule(self, path, then: int | None):
+        """Another trainer.epochs lays the schedule over another number of steps (`then`, the
+        checkpoint's): training on, or a shorter run, as asked, but the learning rate moves
+        at the resume point, which is said."""
+        if then is None or then == self.total_steps:
+            return
+        step, schedule = self.start_epoch * self.per_epoch, self.cfg.schedule
+        before, now = (lr_multipliers(schedule, n, self.per_epoch)[min(step, n - 1)] for n in (then, self.total_steps))
+        log.warning("%s was trained on a schedule of %d steps and this run's has %d (another trainer.epochs): the "
+                    "learning rate at step %d is %.3g of its peak, where it was %.3g", path, then, self.total_steps,
+                    step, now, before)
 
     def _records(self, run_dir: Path, claim: bool) -> MetricsLog:
         """The run's metrics file. A training run may not write into another run's folder

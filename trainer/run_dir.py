@@ -54,6 +54,13 @@ def run_folder(checkpoint: str) -> Path:
     return (folder.parent if folder.name == "checkpoints" else folder).resolve()
 
 
+def resumed_folder(resume: str) -> Path | None:
+    """The run folder that `resume` names a checkpoint of, where the resumed run goes on
+    by default; None for a checkpoint outside any run's folder."""
+    folder = run_folder(resume)
+    return folder if (folder / "checkpoints").is_dir() else None
+
+
 def other_run(run_dir: Path, resume: str) -> str | None:
     """Why a training run resuming from `resume` ('' for a new one) may not write into
     run_dir, or None: the folder holds the checkpoints or records of another run."""
@@ -61,8 +68,12 @@ def other_run(run_dir: Path, resume: str) -> str | None:
     found, records = saved(run_dir / "checkpoints"), run_dir / RECORDS
     if not (found or records.exists()):
         return None
-    if resume and run_folder(resume) == run_dir.resolve():
-        return None  # the run continues in its own folder
+    if resume and run_folder(resume) == run_dir.resolve():  # the run continues in its own folder
+        if found and Path(resume).is_file() and Path(resume).resolve() != found[-1].resolve():
+            return (f"{resume} is not its run's newest checkpoint ({found[-1].name} is): training on from it in "
+                    f"{run_dir} would write over the newer ones; give this branch a folder of its own "
+                    f"(hydra.run.dir=...), or continue from the newest with trainer.resume={run_dir}")
+        return None
     if restarted() and not found and _this_jobs(records):
         return None  # torchrun restarted this job before its first checkpoint
     if found:
