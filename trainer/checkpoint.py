@@ -24,14 +24,14 @@ STATE_REGIONS = tuple(r for r in Region if r.name[0] in "BWEAMVN")
 # the optimizer shapes and dist.shard_optimizer splits over the ranks
 MODEL_REGIONS = tuple(r for r in STATE_REGIONS if r.name[0] in "BWEA")
 STATE_SCALARS = (Baseline.STEP, Baseline.OPT_STEP, Baseline.GOOD_STEPS, Baseline.LOSS_SCALE)
-IDENTITY = ("model", "optimizer", "amp", "amp_dtype", "ema")
-MODEL_IDENTITY = ("model", "amp", "amp_dtype", "ema")
+IDENTITY = ("model", "optimizer", "amp", "amp_dtype", "ema", "fold_bn")
+MODEL_IDENTITY = ("model", "amp", "amp_dtype", "ema", "fold_bn")
 
 
 def identity(cfg) -> dict:
     """What a checkpoint records of the run that wrote it, to explain a refusal."""
     return {"model": cfg.model.name, "optimizer": cfg.optimizer.name, "amp": cfg.amp,
-            "amp_dtype": cfg.amp_dtype, "ema": cfg.ema}
+            "amp_dtype": cfg.amp_dtype, "ema": cfg.ema, "fold_bn": cfg.fold_bn}
 
 
 def state_fingerprint(plan: MemoryPlan) -> str:
@@ -92,6 +92,16 @@ def load(path: Path, arena: Arena, meta_now: dict, rank: int = 0, model_only: bo
                   + (f" ({overrides} lists them)" if overrides.exists() else ""))
         raise CheckpointError(f"checkpoint {path} does not fit this run: "
                               f"{_difference(payload, plan, meta_now, model_only)}; {advice}")
+    try:  # a file of the right layout whose bytes are cut short or missing: damaged
+        _restore(payload, arena, rank, model_only)
+    except (KeyError, RuntimeError, TypeError) as e:
+        why = str(e).splitlines()[0] if str(e) else "a part is missing"
+        raise CheckpointError(f"{path} is damaged ({type(e).__name__}: {why}); use an earlier checkpoint") from None
+    return payload["meta"]
+
+
+def _restore(payload: dict, arena: Arena, rank: int, model_only: bool):
+    plan = arena.plan
     if model_only:  # tensor by tensor: the slots may lie elsewhere
         for r in MODEL_REGIONS:
             data, n = payload["regions"].get(r.name), payload["region_bytes"][r.name]
@@ -106,7 +116,6 @@ def load(path: Path, arena: Arena, meta_now: dict, rank: int = 0, model_only: bo
         region.copy_(data[(rank if rank < data.numel() // n else 0) * n:][:n])
     for name, value in payload["scalars"].items():
         arena[plan[Baseline[name]]].copy_(value)
-    return payload["meta"]
 
 
 def read(path: Path) -> dict:
@@ -125,6 +134,9 @@ def read(path: Path) -> dict:
                               f"truncated or not one this trainer wrote: use an earlier one") from None
     if not isinstance(payload, dict) or "state_fingerprint" not in payload:
         raise CheckpointError(f"{path} is not a checkpoint written by this trainer")
+    missing = [key for key in ("layout", "meta", "regions", "scalars") if key not in payload]
+    if missing:
+        raise CheckpointError(f"{path} is damaged (it has no {', '.join(missing)}); use an earlier checkpoint")
     return payload
 
 
