@@ -54,6 +54,8 @@ BAD = {
     "learning-rate-not-a-number": (["optimizer.lr=nan"], "optimizer.lr=nan must be a finite number", True),
     "plan-ranks-in-a-training-run": (["mode=train", "dist.plan_ranks=4"], "dist.plan_ranks=4 only applies to mode=plan",
                                      True),
+    "fold-bn-of-a-fast-net": (["fold_bn=true"], "this model has BatchNorms without one (the fast nets' learn only their "
+                                                "bias): use fold_bn=false, or a ResNet", True),
 }
 
 

@@ -231,25 +231,27 @@ def _get(cfg, dotted: str):
     return cfg
 
 
-# The options that shape the model, its tensors in the arena and the images it takes. A
-# checkpoint records its writer's, and evaluation and export take them where their command
-# line does not give them.
-MODEL_OPTIONS = ("amp", "amp_dtype", "ema", "fold_bn", "data.num_classes", "data.resolution",
-                 *(f"model.{f.name}" for f in fields(ModelConfig)))
+# The options of the run that wrote a checkpoint which evaluating it needs: what shapes the
+# model and its tensors in the arena, and the images it was trained on: their size, their
+# classes and, for the embedded set, which normalizes by its training images' statistics,
+# the training set's size. Evaluation and export take them where their command line does
+# not give them.
+CHECKPOINT_OPTIONS = ("amp", "amp_dtype", "ema", "fold_bn", "data.num_classes", "data.resolution", "data.train_size",
+                      *(f"model.{f.name}" for f in fields(ModelConfig)))
 
 
-def model_options(cfg: TrainConfig) -> dict[str, Any]:
-    return {key: _get(cfg, key) for key in MODEL_OPTIONS}
+def checkpoint_options(cfg: TrainConfig) -> dict[str, Any]:
+    return {key: _get(cfg, key) for key in CHECKPOINT_OPTIONS}
 
 
 def take_options(cfg: TrainConfig, options: dict[str, Any], given) -> dict[str, Any]:
-    """Sets cfg's MODEL_OPTIONS to `options` but for those `given` (keys as a command line
+    """Sets cfg's CHECKPOINT_OPTIONS to `options` but for those `given` (keys as a command line
     names them: a group's choice, model=..., gives model.name; data.num_classes gives the
     model's too, which follows it); returns those that changed."""
     given = set(given) | {f"{key}.name" for key in given if key == "model"}
     given |= {"model.num_classes"} if "data.num_classes" in given else set()
     changed = {key: value for key, value in options.items()
-               if key in MODEL_OPTIONS and key not in given and _get(cfg, key) != value}
+               if key in CHECKPOINT_OPTIONS and key not in given and _get(cfg, key) != value}
     for key, value in changed.items():
         *parents, last = key.split(".")
         setattr(reduce(getattr, parents, cfg), last, value)
@@ -295,6 +297,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if t.stem_norm_freeze_epochs == 0:
         raise ConfigError("trainer.stem_norm_freeze_epochs=0: the stem norm needs some training to gather its "
                           "running statistics before it freezes with them; use a positive number of epochs or -1")
+    if t.lookahead and not cfg.ema:
+        raise ConfigError("trainer.lookahead=true copies the EMA weights back into the model at each EMA update, "
+                          "and ema=false keeps none: add ema=true, or drop trainer.lookahead")
     if cfg.data.cutout and cfg.data.name != "cifar10":
         raise ConfigError(f"data.cutout={cfg.data.cutout}: cutout is applied to small images kept on the device "
                           f"(data=cifar10, here data={cfg.data.name}); set data.cutout=0 or use data=cifar10")

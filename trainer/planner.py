@@ -192,7 +192,8 @@ def build_plans(model: nn.Module, config: PlanConfig, variants: list[Variant], n
                 in_channels: int = 3) -> Plans:
     if config.fold_bn and any(m.weight is None or m.bias is None for m in model.modules()
                               if isinstance(m, nn.modules.batchnorm._BatchNorm)):
-        raise PlanError("fold_bn needs every BatchNorm to be affine (a weight and a bias)")
+        raise PlanError("fold_bn=true folds each BatchNorm's weight into its scale, and this model has BatchNorms "
+                        "without one (the fast nets' learn only their bias): use fold_bn=false, or a ResNet")
     if config.fold_bn and len(bn_eps(model)) > 1:
         raise PlanError(f"fold_bn needs one eps for every BatchNorm, not {sorted(bn_eps(model))}")
     params, bns = classify(model)
