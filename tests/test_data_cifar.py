@@ -210,10 +210,17 @@ def test_peek_is_normalized_unaugmented_nchw(batches):
     assert indices != list(range(6))  # epoch 0's shuffled order, the same on every rank
 
 
-def test_too_few_images_for_the_configured_size(batches):
-    cfg = config(batches)
-    cfg.data.train_size = 0  # the full 50000
-    with pytest.raises(Exception, match="holds 40 train images, fewer than the 50000"):
+@pytest.mark.parametrize("split, size, wanted", [
+    ("train", 0, "CIFAR-10's full 50000 that data.train_size=0 stands for"),  # nothing asked for: all
+    ("train", 100000, "the data.train_size=100000 asked for"),  # more than CIFAR-10 has: capped at 50000
+    ("val", 50, "the data.val_size=50 asked for"),
+])
+def test_too_few_images_for_the_configured_size(archive, split, size, wanted):
+    cfg = config(archive)
+    setattr(cfg.data, f"{split}_size", size)
+    have = N_TRAIN if split == "train" else N_VAL
+    with pytest.raises(DataError, match=f"{archive} holds {have} {split} images, fewer than {wanted}; "
+                                        f"set data.{split}_size={have} or less$"):
         build_sources(cfg, CPU, 0, 1, None)
 
 

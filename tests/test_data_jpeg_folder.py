@@ -167,6 +167,32 @@ def test_a_corrupt_file_is_named_before_training(tree, content, why):
         build_sources(config(tree), CPU, 0, 1, None)
 
 
+def png_as_jpg(path: Path, color) -> None:
+    """A PNG under a .jpg name, as ImageNet's n02105855_2933.JPEG is."""
+    Image.new("RGB", (44, 40), color).save(path, format="PNG")
+
+
+@pytest.mark.parametrize("deterministic", [False, True])  # DALI's crops, or windows from the image's shape
+def test_a_png_under_a_jpg_name_passes_the_check_and_is_decoded(tree, deterministic):
+    pngs = [tree / "train" / "apple" / "3.jpg", tree / "val" / "zebra" / "1.jpg"]
+    for png in pngs:
+        png_as_jpg(png, COLORS[png.parent.name])
+    torch.use_deterministic_algorithms(deterministic)  # as use_device sets it before the data is built (conftest resets it)
+    train, val = build_sources(config(tree, batch=15, val_batch=6), CPU, 0, 1, None)
+    for source, png, size in ((train, pngs[0], 15), (val, pngs[1], 6)):
+        (data, _, _), = serve(source, (size,), 24)
+        row = source.shard.epoch(source.seed, 0).examples.tolist().index(source.files.index(str(png)))
+        assert colors_of(data[row:row + 1]) == [COLORS[png.parent.name]]  # the PNG's own pixels
+
+
+def test_a_truncated_png_is_named_before_training(tree):
+    bad = tree / "train" / "mango" / "2.jpg"
+    png_as_jpg(bad, COLORS["mango"])
+    bad.write_bytes(bad.read_bytes()[:-20])
+    with pytest.raises(DataError, match=f"corrupt JPEG {bad}: no PNG end chunk \\(IEND\\): the file is truncated"):
+        build_sources(config(tree), CPU, 0, 1, None)
+
+
 def test_a_file_dali_cannot_decode_is_named_when_its_batch_fails(tree):
     bad = tree / "train" / "mango" / "1.jpg"
     bad.write_bytes(b"\xff\xd8" + bytes(range(256)) * 4 + b"\xff\xd9")  # the ends look right

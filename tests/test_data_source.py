@@ -5,6 +5,7 @@ import pytest
 from trainer.config import DataConfig
 from trainer.data import dataset_sizes
 from trainer.data.source import Shard, crop_offsets, cutout_corners, flips, subset
+from trainer.errors import ConfigError
 
 
 def rank_batches(total, batch, world, epoch, train=True, drop_last=True, seed=3):
@@ -96,3 +97,15 @@ def test_a_capped_split_is_a_fixed_random_subset():
 def test_dataset_sizes():
     assert dataset_sizes(DataConfig(name="synthetic", train_size=300, val_size=0)) == (300, 1024)
     assert dataset_sizes(DataConfig(name="cifar10", train_size=1000)) == (1000, 10000)
+
+
+def test_without_data_root_sizes_are_planned_without_reading_files(tmp_path, monkeypatch):
+    """mode=plan runs without data.root: CIFAR-10's sizes are known, a JPEG folder's are
+    the ones given; nothing is read from the working directory (data.root='' is not '.')."""
+    monkeypatch.chdir(tmp_path)  # an empty folder: nothing to count if '' were read as '.'
+    assert dataset_sizes(DataConfig(name="cifar10")) == (50000, 10000)
+    assert dataset_sizes(DataConfig(name="imagefolder", train_size=1281167, val_size=50000)) == (1281167, 50000)
+    for sizes in ({}, {"train_size": 1000}):
+        with pytest.raises(ConfigError, match="^data=imagefolder without data.root has no image count to plan for: "
+                                              "give data.root=PATH, or data.train_size and data.val_size$"):
+            dataset_sizes(DataConfig(name="imagefolder", **sizes))

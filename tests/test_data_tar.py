@@ -95,3 +95,14 @@ def test_the_jpeg_tree_reads_the_same_from_its_archive_and_its_folder(tmp_path):
     assert val_labels.tolist() == [0, 0, 1, 1, 2, 2]
     expected = np.stack([images[f"test/{name}/{i:04d}"] for name in ("airplane", "cat", "frog") for i in range(2)])
     assert np.abs(val_images.numpy().astype(int) - expected).max() <= 2
+
+
+def test_an_archive_of_fewer_jpegs_than_asked_for_names_the_size_asked_for(tmp_path):
+    jpeg_tree(tmp_path / "tree")
+    with tarfile.open(tmp_path / "cifar.tgz", "w:gz") as tar:
+        tar.add(tmp_path / "tree", arcname="cifar10")
+    cfg = TrainConfig(data=DataConfig(name="cifar10", root=str(tmp_path / "cifar.tgz"), num_classes=3, train_size=20),
+                      trainer=TrainerConfig(batch_size=4))
+    with pytest.raises(DataError, match="holds 12 train images, fewer than the data.train_size=20 asked for; "
+                                        "set data.train_size=12 or less$"):
+        build_sources(cfg, CPU, 0, 1, None)

@@ -14,6 +14,7 @@ import torch
 from trainer.config import DataConfig, TrainConfig
 from trainer.data.jpeg_files import find_split, list_split
 from trainer.data.source import Shard, Source
+from trainer.errors import ConfigError
 
 _FULL_SIZE = {"cifar10": (50000, 10000)}
 _SYNTHETIC_DEFAULT = (4096, 1024)
@@ -23,12 +24,17 @@ _MODULES = {"synthetic": "trainer.data.synthetic", "cifar10": "trainer.data.cifa
 
 def dataset_sizes(d: DataConfig) -> tuple[int, int]:
     """Examples in the training and evaluation splits (train_size / val_size cap them;
-    the synthetic set has exactly that many)."""
+    the synthetic set, and a JPEG folder planned without data.root, have exactly that many)."""
     if d.name == "synthetic":
         return d.train_size or _SYNTHETIC_DEFAULT[0], d.val_size or _SYNTHETIC_DEFAULT[1]
+    if d.name == "imagefolder" and not d.root:  # mode=plan without the files: the sizes must be given
+        if not (d.train_size and d.val_size):
+            raise ConfigError("data=imagefolder without data.root has no image count to plan for: give data.root=PATH, "
+                              "or data.train_size and data.val_size")
+        return d.train_size, d.val_size
     if d.name == "imagefolder":
         full = tuple(len(list_split(find_split(Path(d.root), (split,)))[0]) for split in ("train", "val"))
-    else:
+    else:  # CIFAR-10's sizes are known: no file is read, with or without data.root
         full = _FULL_SIZE[d.name]
     return (min(full[0], d.train_size) if d.train_size else full[0],
             min(full[1], d.val_size) if d.val_size else full[1])

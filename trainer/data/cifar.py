@@ -51,14 +51,18 @@ def python_batches(root: Path, members: dict[str, bytes] | None) -> dict[str, by
     return found if "data_batch_1" in found else None
 
 
-def _keep(have: int, want: int, split: str, root: Path) -> np.ndarray:
+def _keep(have: int, want: int, asked: int, split: str, root: Path) -> np.ndarray:
+    """`want` of the `have` images: data.<split>_size (`asked`) capped at CIFAR-10's split,
+    or all of it where 0 was asked for (the sizes are fixed before the files are read)."""
     if want > have:
-        raise DataError(f"{root} holds {have} {split} images, fewer than the {want} asked for; "
-                        f"set data.{split}_size={have} or less")
+        wanted = (f"the data.{split}_size={asked} asked for" if asked
+                  else f"CIFAR-10's full {want} that data.{split}_size=0 stands for")
+        raise DataError(f"{root} holds {have} {split} images, fewer than {wanted}; set data.{split}_size={have} or less")
     return subset(have, want, list(SPLIT_DIRS).index(split))
 
 
-def from_batches(batches: dict[str, bytes], split: str, n: int, root: Path) -> tuple[np.ndarray, np.ndarray]:
+def from_batches(batches: dict[str, bytes], split: str, n: int, asked: int,
+                 root: Path) -> tuple[np.ndarray, np.ndarray]:
     images, labels = [], []
     for name in BATCH_FILES[split]:
         if name not in batches:
@@ -67,7 +71,7 @@ def from_batches(batches: dict[str, bytes], split: str, n: int, root: Path) -> t
         batch = pickle.loads(batches[name], encoding="bytes")
         images.append(np.asarray(batch[b"data"], np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
         labels.append(np.asarray(batch[b"labels"], np.int32))
-    keep = _keep(sum(map(len, labels)), n, split, root)
+    keep = _keep(sum(map(len, labels)), n, asked, split, root)
     return np.concatenate(images)[keep], np.concatenate(labels)[keep]
 
 
@@ -88,13 +92,13 @@ def jpeg_list(root: Path, split: str, members: dict[str, bytes] | None):
     return names, labels, classes
 
 
-def from_jpegs(root: Path, split: str, n: int, members: dict[str, bytes] | None,
+def from_jpegs(root: Path, split: str, n: int, asked: int, members: dict[str, bytes] | None,
                d: DataConfig) -> tuple[np.ndarray, np.ndarray]:
     names, labels, classes = jpeg_list(root, split, members)
     if len(classes) != d.num_classes:
         raise DataError(f"{root} has {len(classes)} {split} classes ({', '.join(classes[:12])}) but "
                         f"data.num_classes={d.num_classes}; set data.num_classes={len(classes)}")
-    keep = _keep(len(names), n, split, root)
+    keep = _keep(len(names), n, asked, split, root)
     names = [names[i] for i in keep]
     encoded = [np.frombuffer(members[f] if members else Path(f).read_bytes(), np.uint8) for f in names]
     shown = [f"{root}:{f}" for f in names] if members else names
@@ -112,10 +116,11 @@ def decode(root: Path, raw: bytes | None, d: DataConfig, sizes: dict[str, int]) 
                         f"data.num_classes={d.num_classes}; set data.num_classes={BATCH_CLASSES}")
     out = {}
     for split, n in sizes.items():
+        asked = d.train_size if split == "train" else d.val_size
         if batches is not None:
-            out[f"{split}_images"], out[f"{split}_labels"] = from_batches(batches, split, n, root)
+            out[f"{split}_images"], out[f"{split}_labels"] = from_batches(batches, split, n, asked, root)
         else:
-            out[f"{split}_images"], out[f"{split}_labels"] = from_jpegs(root, split, n, members, d)
+            out[f"{split}_images"], out[f"{split}_labels"] = from_jpegs(root, split, n, asked, members, d)
     return out
 
 

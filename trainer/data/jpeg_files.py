@@ -11,6 +11,9 @@ from trainer.errors import DataError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg")  # compared lower-case
 _TAIL = 64  # bytes searched for the end marker: some writers pad after it
+# DALI's decoder reads PNG too, and data sets hold PNGs under a .jpg name (ImageNet's
+# n02105855_2933.JPEG): the check takes a PNG whole from its signature to its IEND chunk.
+_PNG_START, _PNG_END = b"\x89PNG\r\n\x1a\n", b"IEND\xaeB\x60\x82"
 
 
 def find_split(root: Path, names: tuple[str, ...]) -> Path:
@@ -48,12 +51,15 @@ def list_split(folder: Path) -> tuple[list[str], np.ndarray, list[str]]:
 
 
 def jpeg_problem(head: bytes, tail: bytes) -> str | None:
-    """What is wrong with a file that starts with `head` and ends with `tail`, if anything
-    a look at its ends can tell (a truncated file has lost its end marker)."""
+    """What is wrong with a JPEG or PNG file that starts with `head` (its first 8 bytes) and
+    ends with `tail`, if anything a look at its ends can tell (a truncated file has lost its
+    end marker)."""
     if not head:
         return "empty file (0 bytes)"
+    if head.startswith(_PNG_START):
+        return None if _PNG_END in tail else "no PNG end chunk (IEND): the file is truncated"
     if head[:2] != b"\xff\xd8":
-        return "no JPEG start marker (FF D8): not a JPEG file"
+        return "no JPEG start marker (FF D8) or PNG signature: not a JPEG or PNG file"
     if b"\xff\xd9" not in tail:
         return "no JPEG end marker (FF D9): the file is truncated"
     return None
@@ -61,7 +67,7 @@ def jpeg_problem(head: bytes, tail: bytes) -> str | None:
 
 def _file_problem(path: str) -> str | None:
     with open(path, "rb") as f:
-        head = f.read(2)
+        head = f.read(len(_PNG_START))
         f.seek(max(os.fstat(f.fileno()).st_size - _TAIL, 0))
         return jpeg_problem(head, f.read())
 
@@ -80,7 +86,7 @@ def check_files(files: list[str], threads: int) -> None:
 
 def check_bytes(name: str, data) -> None:
     """The same look for a file already in memory (bytes or a uint8 array)."""
-    why = jpeg_problem(bytes(data[:2]), bytes(data[-_TAIL:]))
+    why = jpeg_problem(bytes(data[:len(_PNG_START)]), bytes(data[-_TAIL:]))
     if why:
         raise corrupt(name, why)
 
