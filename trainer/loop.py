@@ -248,8 +248,8 @@ class Trainer:
             if saving:
                 self.save(epoch + 1)
             if stopping and not last:
-                log.info("stopping after epoch %d as trainer.stop_after_epoch asks; resume with "
-                         "trainer.resume=%s", epoch + 1, self.run_dir / "checkpoints")
+                log.info("stopping after epoch %d as trainer.stop_after_epoch asks; resume with trainer.resume=%s and "
+                         "this run's other options", epoch + 1, self.run_dir)
                 break
         self.run_seconds = self._elapsed(run_start, result_at if result_at is not None else self._event())
         self.metrics.close()
