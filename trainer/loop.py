@@ -81,7 +81,8 @@ class Trainer:
             if not evaluate_only:
                 self._check_epoch_length(t.resume, done.get("steps_per_epoch"))
                 self._check_whole_epochs(t.resume, done.get("steps"))
-                self._check_schedule(t.resume, done.get("schedule_steps"))
+                self._check_schedule(t.resume, done.get("schedule_steps"),
+                                     done.get("steps", self.start_epoch * self.per_epoch))
             log.info("resumed from %s after epoch %d", t.resume, self.start_epoch)
         # claimed once the checkpoint is accepted: a refused start leaves the folder as it was
         self.metrics = self._records(run_dir, claim=not evaluate_only)
@@ -320,13 +321,13 @@ class Trainer:
                 + (f"continue from epoch {self.start_epoch - 1}'s checkpoint, if it is kept, in a folder of its own "
                    "(hydra.run.dir=...), or train from scratch" if self.start_epoch > 1 else "train from scratch"))
 
-    def _check_schedule(self, path, then: int | None):
+    def _check_schedule(self, path, then: int | None, step: int):
         """Another trainer.epochs lays the schedule over another number of steps (`then`, the
         checkpoint's): training on, or a shorter run, as asked, but the learning rate moves
-        at the resume point, which is said."""
-        if then is None or then == self.total_steps:
+        at the resume point, `step`, which is said where steps are left to train."""
+        if then is None or then == self.total_steps or step >= self.total_steps:
             return
-        step, schedule = self.start_epoch * self.per_epoch, self.cfg.schedule
+        schedule = self.cfg.schedule
         before, now = (lr_multipliers(schedule, n, self.per_epoch)[min(step, n - 1)] for n in (then, self.total_steps))
         log.warning("%s was trained on a schedule of %d steps and this run's has %d (another trainer.epochs): the "
                     "learning rate at step %d is %.3g of its peak, where it was %.3g", path, then, self.total_steps,
