@@ -23,6 +23,10 @@ from trainer.range_ops import RangeOps
 from trainer.regions import FAMILY, HALF_KINDS, Kind
 from trainer.regions import Region as R
 
+# torch 2.14 renames all_gather_into_tensor (deprecated there, with a warning a rank) to
+# all_gather_single; earlier versions have only the first
+all_gather = getattr(td, "all_gather_single", None) or td.all_gather_into_tensor
+
 
 class Comm:
     """Collectives over the job's process group. On a GPU they run on their own stream:
@@ -63,7 +67,7 @@ class Comm:
 
     def gather_shares_(self, x: torch.Tensor):
         """All-gather: every rank's share of x, from the rank that owns it."""
-        td.all_gather_into_tensor(x, self.share(x))
+        all_gather(x, self.share(x))
 
     def sum_(self, x: torch.Tensor):
         td.all_reduce(x)

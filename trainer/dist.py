@@ -18,7 +18,7 @@ import torch
 import torch.distributed as td
 
 from trainer.arena import Arena
-from trainer.collectives import Comm, GradSync, ShardedUpdate
+from trainer.collectives import Comm, GradSync, ShardedUpdate, all_gather
 from trainer.errors import ConfigError, PlanError
 from trainer.regions import Region as R
 from trainer.run_dir import agent_started_at
@@ -64,7 +64,7 @@ class Dist:
         """Stop every rank, naming the ranks whose `value` differs from rank 0's."""
         mine = torch.tensor(list(value.encode().ljust(64)[:64]), dtype=torch.uint8, device=self._device())
         every = torch.empty(self.world * 64, dtype=torch.uint8, device=mine.device)
-        td.all_gather_into_tensor(every, mine)
+        all_gather(every, mine)
         values = [bytes(row).decode().rstrip() for row in every.view(self.world, 64).tolist()]
         differ = [r for r, v in enumerate(values) if v != values[0]]
         if differ:
@@ -98,7 +98,7 @@ class Dist:
             if (r in own_stats or plan.config.sharded(r)) and plan.region_bytes(r):
                 offset, nbytes = plan.range(r)
                 every = torch.empty(self.world * nbytes, dtype=torch.uint8, device=arena.device)
-                td.all_gather_into_tensor(every, arena.storage[offset:offset + nbytes])
+                all_gather(every, arena.storage[offset:offset + nbytes])
                 out[r.name] = every.cpu()
         return out
 
