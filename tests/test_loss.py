@@ -33,6 +33,33 @@ def test_masked_examples_do_not_count():
     torch.testing.assert_close(results[0], F.cross_entropy(logits[:4], labels[:4].long()).reshape(1))
 
 
+def test_epoch_sums_count_hits_and_examples_exactly_against_float64():
+    """ACCUM_METRICS: hits and examples are added as counts and the loss as a sum, so an
+    epoch's accuracy, hits / examples on the host, is exact; a batch's top-1 is the float
+    nearest its hits / examples. Summed as fp32 means times counts, 14 hits of 14 read 1.0000001."""
+    g = torch.Generator().manual_seed(0)
+    sums, expected = torch.zeros(4), torch.zeros(4, dtype=torch.float64)
+    for n, padding, boost in ((14, None, 100.0), (14, None, 1.5), (10, 3, 1.5), (7, 7, 0.0), (13, 0, 100.0)):
+        logits = torch.randn(n, 10, generator=g, dtype=torch.float64)
+        labels = torch.randint(0, 10, (n,), generator=g)
+        logits[torch.arange(n), labels] += boost  # 100: every example a hit
+        mask = None if padding is None else (torch.arange(n) < n - padding).to(torch.int8)
+        results = tuple(torch.zeros(1) for _ in range(3))
+        cross_entropy_(logits.float(), labels, 0.0, results, mask=mask, sums=sums)
+        keep = torch.ones(n, dtype=torch.bool) if mask is None else mask.bool()
+        x = logits.float().double()[keep]
+        hits = torch.topk(x, 5, 1).indices == labels[keep, None]
+        top1, top5, examples = hits[:, 0].sum().item(), hits.any(1).sum().item(), keep.sum().item()
+        expected += torch.tensor([F.cross_entropy(x, labels[keep], reduction="sum").item(), top1, top5, examples],
+                                 dtype=torch.float64)
+        if examples:
+            assert results[1].item() == torch.tensor(top1 / examples, dtype=torch.float32).item()
+            assert results[2].item() == torch.tensor(top5 / examples, dtype=torch.float32).item()
+    assert torch.equal(sums[1:].double(), expected[1:])
+    torch.testing.assert_close(sums[0].double(), expected[0], rtol=1e-6, atol=0)
+    assert expected[1] < expected[3], "some batches have misses"
+
+
 def test_non_finite_loss_raises_the_sticky_flag():
     flag = torch.zeros(1, dtype=torch.int8)
     results = tuple(torch.zeros(1) for _ in range(3))

@@ -1001,3 +1001,37 @@ def test_fp16_on_the_cpu_is_warned_about(tmp_path, caplog, amp, warned):
     with caplog.at_level(logging.WARNING, logger="trainer"):
         Trainer(config(*TINY, *amp), tmp_path, Dist())
     assert ("amp_dtype=bf16 is faster" in caplog.text) == warned, caplog.text
+
+
+def test_accuracies_are_hits_over_examples_exactly(tmp_path):
+    """Top-1 and top-5, training and evaluation, are the floats nearest hits / examples: 14
+    of 14 is 1.0, where epoch sums of fp32 means times counts read 1.0000001."""
+    from trainer.loop import Trainer
+    trainer = Trainer(config("trainer.epochs=3", "data.train_size=448", "data.val_size=14", "trainer.val_batch_size=14"),
+                      tmp_path, Dist())
+    trainer.fit()
+    assert len(trainer.history) == 3
+    for row in trainer.history:
+        for split, examples in (("train", 448), ("val", 14)):
+            for key in (f"{split}_top1", f"{split}_top5"):
+                assert row[key] == round(row[key] * examples) / examples, (key, row)
+
+
+@pytest.mark.parametrize("sent, status, said", [(signal.SIGINT, 130, "interrupted"),
+                                                (signal.SIGTERM, 143, "terminated")], ids=["ctrl_c", "sigterm"])
+def test_ctrl_c_during_the_benchmark_is_one_line(tmp_path, sent, status, said):
+    """Interrupted while a plain loop steps in its thread, mode=bench ends as training does:
+    it used to exit under the running thread, which aborted (exit 134)."""
+    proc = subprocess.Popen(command(tmp_path / "bench", "mode=bench", "bench.baselines=[eager_bf16]",
+                                    "bench.warmup=0", "bench.steps=5000"),
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    printed = ""
+    while "timing eager_bf16" not in printed:  # logged in the loop's thread as its steps begin
+        line = proc.stdout.readline()
+        assert line, printed  # the run ended (its steps are bounded for this) without the line
+        printed += line
+    proc.send_signal(sent)
+    printed += proc.communicate(timeout=60)[0]
+    assert proc.returncode == status, printed
+    assert said in printed and "terminate called" not in printed and "Traceback" not in printed, printed

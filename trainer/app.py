@@ -201,7 +201,7 @@ def main(dict_cfg: DictConfig):
         log.error("%s%s", "interrupted" if isinstance(e, KeyboardInterrupt) else "terminated",
                   f"; continue from {found[-1].name} with trainer.resume={run_dir} and the options the run was "
                   f"started with ({run_dir / '.hydra' / 'overrides.yaml'} lists them)" if found
-                  else " before the first checkpoint: nothing to continue from")
+                  else " before the first checkpoint: nothing to continue from" if dict_cfg.mode == "train" else "")
         raise SystemExit(130 if isinstance(e, KeyboardInterrupt) else 143)  # as a shell reports SIGINT, SIGTERM
     except Exception:
         log.exception("the run failed")  # into this rank's log file too, not only onto stderr

@@ -6,6 +6,7 @@ capture and one step); with bench.profile, where its step's time goes, kernel by
 import contextlib
 import copy
 import gc
+import logging
 import re
 import statistics
 import threading
@@ -20,6 +21,8 @@ from torch.nn import functional as F
 from trainer.config import TrainConfig
 from trainer.feeder import BUFFERS
 from trainer.setup import assemble, make_model, use_device
+
+log = logging.getLogger("trainer")
 
 
 @dataclass
@@ -83,20 +86,29 @@ def plain_loop(cfg: TrainConfig, method: str, device) -> Result:
     out whether it was autotuned, so a plain loop run in this thread would hand its plans
     to ours, whose autotuning would then time nothing (ResNet-18's step ran 7% slower
     after the fp16 loop's heuristic choices)."""
-    out = {}
+    out, stop, done = {}, threading.Event(), threading.Event()
 
     def run():
         try:
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-                out["result"] = _plain_loop(cfg, method, device)
+                out["result"] = _plain_loop(cfg, method, device, stop)
         except BaseException as e:  # raised again in the caller's thread
             out["error"] = e
+        finally:
+            done.set()
 
     ours_autotune, torch.backends.cudnn.benchmark = torch.backends.cudnn.benchmark, cfg.bench.baseline_autotune
+    threading.Thread(target=run, name=method).start()
     try:
-        thread = threading.Thread(target=run, name=method)
-        thread.start()
-        thread.join()
+        done.wait()
+    except BaseException:
+        # Ctrl-C or SIGTERM, raised here: the worker stops after its step and is waited for,
+        # as the interpreter exiting under a thread in torch's C++ code aborts ("terminate
+        # called without an active exception", exit 134). Not with Thread.join: Python 3.11's,
+        # once interrupted, takes the thread for stopped while it runs on.
+        stop.set()
+        done.wait()
+        raise
     finally:
         torch.backends.cudnn.benchmark = ours_autotune
     if "error" in out:
@@ -104,7 +116,11 @@ def plain_loop(cfg: TrainConfig, method: str, device) -> Result:
     return out["result"]
 
 
-def _plain_loop(cfg: TrainConfig, method: str, device) -> Result:
+class _Stopped(Exception):
+    """A plain loop stopped between steps: the caller was interrupted."""
+
+
+def _plain_loop(cfg: TrainConfig, method: str, device, stop: threading.Event) -> Result:
     _fresh(device)
     t0 = time.perf_counter()
     b, r = cfg.trainer.batch_size, cfg.data.resolution
@@ -118,6 +134,8 @@ def _plain_loop(cfg: TrainConfig, method: str, device) -> Result:
     y = torch.randint(0, cfg.model.num_classes, (b,), device=device)
 
     def step():
+        if stop.is_set():
+            raise _Stopped
         with torch.autocast(device.type, dtype=dtype):
             loss = F.cross_entropy(net(x), y)
         opt.zero_grad(set_to_none=True)
@@ -164,6 +182,7 @@ def ours(cfg: TrainConfig, device) -> Result:
 def _measure(cfg: TrainConfig, method: str, step, t0: float, device) -> Result:
     """One method's numbers: time to first step (from t0 through one step), the median
     step, peak memory, and with bench.profile where the step's time goes."""
+    log.info("timing %s: %d warm-up and %d timed steps", method, cfg.bench.warmup, cfg.bench.steps)
     step()
     _sync(device)
     first = time.perf_counter() - t0

@@ -55,7 +55,7 @@ class Program:
                 m.requires_grad_(True)
 
     def _train(self):
-        ops, s = self.ops, self.ops.s
+        ops = self.ops
         self.model.train()
         for m in self.frozen:
             m.eval()
@@ -82,7 +82,6 @@ class Program:
             if ops.lookahead:
                 ops.hold_frozen(settled=self.variant.frozen)
         ops.cast_weights()
-        ops.accumulate(s[B.TRAIN_SUMS], self.variant.batch)
         ops.advance()
 
     def _forward_backward(self):
@@ -90,7 +89,7 @@ class Program:
         logits = self.forward(self.x)
         grad = self.arena[self.tensors.grad_slot]
         cross_entropy_(logits, self.y, self.smoothing, self.results, grad_out=grad,
-                       grad_scale=s[B.LOSS_SCALE] if amp else None, nan_seen=s[B.NAN_SEEN])
+                       grad_scale=s[B.LOSS_SCALE] if amp else None, nan_seen=s[B.NAN_SEEN], sums=s[B.TRAIN_SUMS])
         if self.grad_sync is not None:
             # the gradient sync reduces buckets of the arena as backward fills them: there
             # each gradient must land in its slot as it comes (the preset .grad)
@@ -108,6 +107,5 @@ class Program:
             use_statistics(self.model, self.tensors, self.arena, "next")
             self.handover.restore()
         self.arena[self.tensors.features].copy_(z)
-        cross_entropy_(z, self.y, 0.0, self.results, mask=self.mask)
+        cross_entropy_(z, self.y, 0.0, self.results, mask=self.mask, sums=self.ops.s[B.VAL_SUMS])
         self.arena[self.tensors.predictions].copy_(z.argmax(1))
-        self.ops.accumulate(self.ops.s[B.VAL_SUMS], self.mask.sum())

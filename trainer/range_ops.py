@@ -1,5 +1,6 @@
-"""Range ops: the whole model's optimizer step, gradient zeroing, casts, EMA, loss scaling
-and metric sums as a handful of kernels over contiguous region ranges.
+"""Range ops: the whole model's optimizer step, gradient zeroing, casts, EMA and loss
+scaling as a handful of kernels over contiguous region ranges (the metric sums are the
+loss's: trainer/loss.py counts hits before a distributed step averages them).
 
 RangeOps binds the flat spans of one arena once; each method is one op of DESIGN.md's
 list and issues the same kernels whatever the number of layers, but for Muon's update,
@@ -235,13 +236,6 @@ class RangeOps:
         """CAST fp32 -> half: the compute copy of the whole weight block in one pass."""
         if self.config.amp:
             self.k.cast_(self.w_weight, self.a_weight)
-
-    def accumulate(self, sums: torch.Tensor, count):
-        """ACCUM_METRICS: sums += (loss, top-1 hits, top-5 hits, examples) of this batch,
-        from R_RESULT's means; count is a number or a 1-element tensor."""
-        s = self.s
-        sums[:3].add_(torch.cat([s[B.LOSS], s[B.TOP1], s[B.TOP5]]) * count)
-        sums[3:].add_(count)
 
     def advance(self):
         self.s[B.STEP].add_(1)
