@@ -540,7 +540,8 @@ def test_eval_and_export_take_the_model_options_of_the_run_that_wrote_the_checkp
     assert "amp=True amp_dtype=bf16 ema=True fold_bn=True data.resolution=24 model.name=cifar_resnet model.width=8" \
         in out.stdout
     result, final = json.loads((tmp_path / "eval" / "summary.json").read_text()), trained.history[-1]
-    assert result["val_top1"] == final["val_top1"] and result["val_loss"] == pytest.approx(final["val_loss"])
+    # on a GPU another process may take other cuDNN algorithms, which round bf16 otherwise
+    assert result["val_top1"] == final["val_top1"] and result["val_loss"] == pytest.approx(final["val_loss"], rel=1e-4)
     out = run(tmp_path / "export", "mode=export", *TINY, f"checkpoint={tmp_path / 'run'}")
     assert out.returncode == 0, out.stdout + out.stderr
     out = run(tmp_path / "other", "mode=eval", "model=resnet18", *TINY, f"checkpoint={tmp_path / 'run'}")
