@@ -89,7 +89,8 @@ class DataConfig:
     threads: int = 0  # DALI decoding and file-reading threads per rank; 0: the cores shared among local ranks
     host_decode: float = 0.0  # imagefolder on a GPU: the share of each batch decoded by the CPU, the rest by the GPU
     decode_cache: str = ""  # cifar10 archives: a folder keeping what they decode to, for later runs; "" off
-    check_files: bool = True  # imagefolder: look at both ends of every JPEG (or PNG under a .jpg name) before training (seconds per million files)
+    # imagefolder: look at both ends of every JPEG (or PNG under a .jpg name) before training (seconds per million files)
+    check_files: bool = True
     seed_offset: int = 0
     tta: int = 0  # evaluation views: 0 none, 1 flip, 2 flip and one-pixel translations
 
