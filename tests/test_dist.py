@@ -80,6 +80,17 @@ def test_torchrun_ranks_share_one_run_directory_and_rank_0_its_log():
         dist.launch_overrides([], {**static, "WORLD_SIZE": "16"})
 
 
+def test_a_torchrun_job_that_resumes_a_run_goes_on_in_its_folder(tmp_path):
+    """As a single process does; a checkpoint outside any run's folder starts the job's own."""
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    for resume in (tmp_path / "run", tmp_path / "run" / "checkpoints", tmp_path / "run" / "checkpoints" / "e.pt"):
+        for rank in ("0", "1"):
+            assert dist.launch_overrides([f"trainer.resume={resume}"], {**TORCHRUN, "RANK": rank})[0] == \
+                f"hydra.run.dir={tmp_path / 'run'}"
+    assert dist.launch_overrides([f"trainer.resume={tmp_path / 'e.pt'}"], {**TORCHRUN, "RANK": "0"}) == [
+        "hydra.run.dir=outputs/torchrun/job7"]
+
+
 def test_device_cuda_without_a_gpu_is_refused_and_auto_falls_back_to_the_cpu(monkeypatch):
     from trainer.errors import ConfigError
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

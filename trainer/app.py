@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from trainer.config import TrainConfig, take_options, validate
 from trainer.errors import CheckpointError, ConfigError, TrainerError
-from trainer.run_dir import other_run, restart_checkpoint, resumed_folder, saved
+from trainer.run_dir import given, other_run, restart_checkpoint, resumed_folder, saved
 
 log = logging.getLogger("trainer")
 
@@ -47,8 +47,8 @@ def _from_checkpoint(cfg: TrainConfig) -> str:
     path = cfg.checkpoint or cfg.trainer.resume
     if not path:
         raise CheckpointError(f"mode={cfg.mode} needs checkpoint=PATH (a checkpoint file or a run directory)")
-    given = [override.split("=", 1)[0].lstrip("+~") for override in HydraConfig.get().overrides.task]
-    taken = take_options(cfg, checkpoint.read(Path(path))["meta"].get("options", {}), given)
+    taken = take_options(cfg, checkpoint.read(Path(path))["meta"].get("options", {}),
+                         given(HydraConfig.get().overrides.task))
     if taken:
         log.info("as the run that wrote %s: %s", path, " ".join(f"{key}={value}" for key, value in taken.items()))
     return path
@@ -142,15 +142,15 @@ def _continue_in_its_folder(config: DictConfig):
     names another (a branch), rather than in a new timestamped one that would hold only the
     rest of the run. Hydra writes the resumed command line beside the first one's, in
     .hydra/resumed_N, so that the folder keeps how its run was started."""
-    given = [override.split("=", 1)[0].lstrip("+") for override in config.hydra.overrides.hydra]
     folder = resumed_folder(config.trainer.resume)
     with open_dict(config):
-        if folder is not None and "hydra.run.dir" not in given:
+        if folder is not None and "hydra.run.dir" not in given(config.hydra.overrides.hydra):
             config.hydra.run.dir = str(folder)
         run_dir = Path(config.hydra.run.dir)
         if config.hydra.output_subdir and (run_dir / config.hydra.output_subdir).is_dir():
-            number = 1 + sum(1 for _ in run_dir.glob(f"{config.hydra.output_subdir}/resumed_*"))
-            config.hydra.output_subdir = f"{config.hydra.output_subdir}/resumed_{number}"
+            numbers = [int(p.name.rpartition("_")[2]) for p in run_dir.glob(f"{config.hydra.output_subdir}/resumed_*")
+                       if p.name.rpartition("_")[2].isdigit()]
+            config.hydra.output_subdir = f"{config.hydra.output_subdir}/resumed_{max(numbers, default=0) + 1}"
 
 
 def _refuse_another_runs(folder: Path, config: DictConfig):
@@ -176,6 +176,20 @@ def _make(folder: str, key: str):
         raise SystemExit(2)
 
 
+def _where_to_continue(cfg: DictConfig, run_dir: Path) -> str:
+    """How an interrupted training run goes on: from its newest checkpoint, with this
+    command's options (Hydra wrote them to the run's output_subdir), or from the one it
+    resumed if it wrote none."""
+    found = saved(run_dir / "checkpoints")
+    command = run_dir / (HydraConfig.get().output_subdir or ".hydra") / "overrides.yaml"
+    if found:
+        return (f"; continue from {found[-1].name} with trainer.resume={run_dir} and the other options of this "
+                f"command ({command} lists them)")
+    if cfg.trainer.resume:
+        return f" before its first checkpoint; continue again from trainer.resume={cfg.trainer.resume}"
+    return " before the first checkpoint: nothing to continue from"
+
+
 class Terminated(BaseException):
     """SIGTERM, as a scheduler preempting the job sends it: raised where the run is, as
     Ctrl-C raises KeyboardInterrupt, so that the run says where to continue from."""
@@ -197,11 +211,8 @@ def main(dict_cfg: DictConfig):
         log.error("%s", e)
         raise SystemExit(2)
     except (KeyboardInterrupt, Terminated) as e:  # a checkpoint is written whole or not at all: those there are intact
-        found = saved(run_dir / "checkpoints")
-        log.error("%s%s", "interrupted" if isinstance(e, KeyboardInterrupt) else "terminated",
-                  f"; continue from {found[-1].name} with trainer.resume={run_dir} and the options the run was "
-                  f"started with ({run_dir / '.hydra' / 'overrides.yaml'} lists them)" if found
-                  else " before the first checkpoint: nothing to continue from" if dict_cfg.mode == "train" else "")
+        log.error("%s%s", "interrupted" if isinstance(e, KeyboardInterrupt) else "terminated", _where_to_continue(
+            dict_cfg, run_dir) if dict_cfg.mode == "train" else "")
         raise SystemExit(130 if isinstance(e, KeyboardInterrupt) else 143)  # as a shell reports SIGINT, SIGTERM
     except Exception:
         log.exception("the run failed")  # into this rank's log file too, not only onto stderr

@@ -98,16 +98,21 @@ def plain_loop(cfg: TrainConfig, method: str, device) -> Result:
             done.set()
 
     ours_autotune, torch.backends.cudnn.benchmark = torch.backends.cudnn.benchmark, cfg.bench.baseline_autotune
-    threading.Thread(target=run, name=method).start()
     try:
+        threading.Thread(target=run, name=method).start()
         done.wait()
     except BaseException:
         # Ctrl-C or SIGTERM, raised here: the worker stops after its step and is waited for,
         # as the interpreter exiting under a thread in torch's C++ code aborts ("terminate
-        # called without an active exception", exit 134). Not with Thread.join: Python 3.11's,
-        # once interrupted, takes the thread for stopped while it runs on.
+        # called without an active exception", exit 134), through further Ctrl-Cs too (a
+        # first step may compile for minutes). Not with Thread.join: Python 3.11's, once
+        # interrupted, takes the thread for stopped while it runs on.
         stop.set()
-        done.wait()
+        while not done.is_set():
+            try:
+                done.wait()
+            except BaseException:
+                pass
         raise
     finally:
         torch.backends.cudnn.benchmark = ours_autotune

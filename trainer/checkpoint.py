@@ -92,12 +92,22 @@ def load(path: Path, arena: Arena, meta_now: dict, rank: int = 0, model_only: bo
                   + (f" ({overrides} lists them)" if overrides.exists() else ""))
         raise CheckpointError(f"checkpoint {path} does not fit this run: "
                               f"{_difference(payload, plan, meta_now, model_only)}; {advice}")
-    try:  # a file of the right layout whose bytes are cut short or missing: damaged
+    try:  # a file of the right layout whose parts are missing or cut short: damaged
         _restore(payload, arena, rank, model_only)
-    except (KeyError, RuntimeError, TypeError) as e:
+    except (KeyError, TypeError, _CutShort) as e:
         why = str(e).splitlines()[0] if str(e) else "a part is missing"
         raise CheckpointError(f"{path} is damaged ({type(e).__name__}: {why}); use an earlier checkpoint") from None
     return payload["meta"]
+
+
+class _CutShort(Exception):
+    """A region or scalar of a checkpoint holds fewer bytes than its layout needs."""
+
+
+def _copy(into: torch.Tensor, data: torch.Tensor, name: str):
+    if data.numel() < into.numel():
+        raise _CutShort(f"{name} holds {data.numel()} values of {into.numel()}")
+    into.copy_(data[:into.numel()].view(into.shape))
 
 
 def _restore(payload: dict, arena: Arena, rank: int, model_only: bool):
@@ -109,13 +119,13 @@ def _restore(payload: dict, arena: Arena, rank: int, model_only: bool):
                 data = data.view(-1, n).view(torch.float32).mean(0).view(torch.uint8)  # as ranks average them
             for t, offset in zip(plan.regions[r], payload["offsets"][r.name]):
                 nbytes = t.numel * ITEMSIZE[t.dtype]
-                arena.storage[t.offset:t.offset + nbytes].copy_(data[offset:offset + nbytes])
+                _copy(arena.storage[t.offset:t.offset + nbytes], data[offset:], f"region {r.name}")
     for name, data in payload["regions"].items() if not model_only else ():
         region = _region_bytes(arena, Region[name])
         n = region.numel()
-        region.copy_(data[(rank if rank < data.numel() // n else 0) * n:][:n])
+        _copy(region, data[(rank if rank < data.numel() // n else 0) * n:], f"region {name}")
     for name, value in payload["scalars"].items():
-        arena[plan[Baseline[name]]].copy_(value)
+        _copy(arena[plan[Baseline[name]]], value.reshape(-1), f"scalar {name}")
 
 
 def read(path: Path) -> dict:
@@ -162,7 +172,7 @@ def _region_bytes(arena: Arena, region: Region) -> torch.Tensor:
 def _difference(payload: dict, plan: MemoryPlan, meta_now: dict, model_only: bool) -> str:
     then = payload["meta"]
     changed = [f"{k}: checkpoint {then.get(k)!r}, this run {meta_now.get(k)!r}"
-               for k in (MODEL_IDENTITY if model_only else IDENTITY) if then.get(k) != meta_now.get(k)]
+               for k in (MODEL_IDENTITY if model_only else IDENTITY) if k in then and then[k] != meta_now.get(k)]
     if changed:
         return "; ".join(changed)
     if not model_only and payload.get("shards", 1) != plan.config.shards:

@@ -21,7 +21,7 @@ from trainer.arena import Arena
 from trainer.collectives import Comm, GradSync, ShardedUpdate, all_gather
 from trainer.errors import ConfigError, PlanError
 from trainer.regions import Region as R
-from trainer.run_dir import agent_started_at
+from trainer.run_dir import agent_started_at, given, resumed_folder
 
 
 @dataclass
@@ -167,12 +167,14 @@ def device_for(choice: str, d: Dist) -> torch.device:
 def launch_overrides(argv: list[str], env=os.environ) -> list[str]:
     """Hydra overrides for one rank of a torchrun job (none outside one). Hydra's timestamped
     directory would differ between ranks and between torchrun's restarts, so every rank
-    gets outputs/torchrun/<job id> unless the command line names hydra.run.dir."""
+    gets outputs/torchrun/<job id> unless the command line names hydra.run.dir; a job that
+    resumes a run goes on in that run's folder, as a single process does (trainer/app.py)."""
     if not launched(env):
         return []
-    out = []
-    if not any(a.lstrip("+").startswith("hydra.run.dir=") for a in argv):
-        out.append(f"hydra.run.dir=outputs/torchrun/{job_id(env)}")
+    out, args = [], given(argv)
+    if "hydra.run.dir" not in args:
+        folder = resumed_folder(args["trainer.resume"]) if args.get("trainer.resume") else None
+        out.append(f"hydra.run.dir={folder or f'outputs/torchrun/{job_id(env)}'}")
     rank = int(env["RANK"])
     if rank:  # rank 0 keeps run.log and .hydra/; the others log their warnings and errors
         out += [f"hydra.job.name=run_rank{rank}", "hydra.output_subdir=null", "hydra.job_logging.root.level=WARNING"]

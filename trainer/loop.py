@@ -84,7 +84,7 @@ class Trainer:
                 self._check_schedule(t.resume, done.get("schedule_steps"),
                                      done.get("steps", self.start_epoch * self.per_epoch))
             log.info("resumed from %s after epoch %d", t.resume, self.start_epoch)
-        # claimed once the checkpoint is accepted: a refused start leaves the folder as it was
+        # claimed once the checkpoint is accepted: a refused start leaves the folder free for a corrected one
         self.metrics = self._records(run_dir, claim=not evaluate_only)
         ready = self.clock()
         # a finished run resumed, or torchrun restarting a job after its last checkpoint

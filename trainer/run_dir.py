@@ -54,6 +54,11 @@ def run_folder(checkpoint: str) -> Path:
     return (folder.parent if folder.name == "checkpoints" else folder).resolve()
 
 
+def given(overrides) -> dict[str, str]:
+    """The keys a command line's overrides give (key=value, +key=value, ~key) and their values."""
+    return {key.lstrip("+~"): value for key, _, value in (o.partition("=") for o in overrides)}
+
+
 def resumed_folder(resume: str) -> Path | None:
     """The run folder that `resume` names a checkpoint of, where the resumed run goes on
     by default; None for a checkpoint outside any run's folder."""
