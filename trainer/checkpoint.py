@@ -135,7 +135,9 @@ def read(path: Path) -> dict:
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}: give a checkpoint file, or a run directory that holds them")
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        # mapped, not read: evaluation reads a checkpoint's options before loading it, and a
+        # load copies only the regions it restores
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:
         # only the first sentence: torch's goes on with advice for its own callers (load with
         # weights_only=False, file an issue) that is wrong for a damaged or foreign file
