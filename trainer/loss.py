@@ -23,8 +23,8 @@ def cross_entropy_(logits: torch.Tensor, labels: torch.Tensor, smoothing: float,
     per_example = (1 - smoothing) * nll - smoothing * logp.mean(1)
     hits = torch.topk(x, min(5, k), dim=1).indices == labels[:, None]
     top1, top5 = hits[:, 0].float(), hits.any(1).float()
-    weight = torch.full((n,), 1.0 / n, device=x.device) if mask is None else mask.float() / mask.sum().clamp(min=1)
     counted = torch.ones_like(top1) if mask is None else mask.float()
+    weight = counted / counted.sum().clamp(min=1)
     # summed, not a matmul, which may round its inputs to TF32. fp32 counts are exact
     # integers up to 2**24 (16.7M) examples an epoch, all ranks together: ImageNet's
     # 1.28M training images are well inside.
