@@ -133,7 +133,7 @@ def test_ctrl_c_names_the_checkpoint_to_continue_from_which_resumes(tmp_path, se
     assert "Traceback" not in printed
     saved = re.search(said + r"; continue from epoch_(\d+)\.pt with trainer.resume=(\S+)", printed)
     assert saved and Path(saved[2]) == tmp_path / "run", printed
-    assert f"the other options of this command ({tmp_path / 'run' / '.hydra' / 'overrides.yaml'} lists them)" in printed
+    assert "(which takes this run's options from it)" in printed
     epoch = int(saved[1])
     resumed = run(tmp_path / "resumed", f"trainer.resume={saved[2]}", "trainer.epochs=1000",
                   f"trainer.stop_after_epoch={epoch + 1}")
@@ -245,20 +245,26 @@ def test_a_resume_on_another_schedule_length_says_where_the_learning_rate_moves(
                      r"learning rate at step 16 is 0.854 of its peak, where it was 0.5", caplog.text), caplog.text
 
 
-def test_a_resume_goes_on_in_its_runs_folder_which_keeps_its_first_command_line(tmp_path):
+def test_a_resume_goes_on_in_its_runs_folder_with_its_options_and_keeps_its_first_command_line(tmp_path):
     """Without hydra.run.dir a resumed run continues in the folder of the run it resumes,
-    not in a new timestamped one; Hydra's record of the first command line stays, and the
+    not in a new timestamped one, with the options that run was started with but for those
+    its own command line gives; Hydra's record of the first command line stays, and the
     resumed one is written beside it. An older checkpoint of the folder is refused: training
     on from it would write over the newer ones."""
-    first = run(tmp_path / "run", *TINY, "trainer.epochs=3", "trainer.stop_after_epoch=2")
+    first = run(tmp_path / "run", *TINY, "optimizer=lars", "optimizer.lr=0.3", "trainer.epochs=3",
+                "trainer.stop_after_epoch=2")
     assert first.returncode == 0, first.stdout + first.stderr
     hydra = tmp_path / "run" / ".hydra"
     started = (hydra / "overrides.yaml").read_text()
-    resume = [sys.executable, str(ROOT / "run.py"), *TINY, "trainer.epochs=3", f"trainer.resume={tmp_path / 'run'}"]
+    resume = [sys.executable, str(ROOT / "run.py"), "trainer.log_every=7", f"trainer.resume={tmp_path / 'run'}"]
     out = subprocess.run(resume, capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
+    assert "optimizer.name=lars optimizer.lr=0.3" in out.stdout and "trainer.batch_size=32" in out.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no outputs/DATE/TIME beside it
     assert [p.name for p in saved(tmp_path / "run" / "checkpoints")] == ["epoch_0002.pt", "epoch_0003.pt"]
+    options = [checkpoint.read(tmp_path / "run" / "checkpoints" / f"epoch_000{n}.pt")["meta"]["config"] for n in (2, 3)]
+    assert options[1] == {**options[0], "trainer.resume": str(tmp_path / "run"), "trainer.stop_after_epoch": 0,
+                          "trainer.log_every": 7}
     assert (hydra / "overrides.yaml").read_text() == started
     assert f"trainer.resume={tmp_path / 'run'}" in (hydra / "resumed_1" / "overrides.yaml").read_text()
     older = subprocess.run([*resume[:-1], f"trainer.resume={tmp_path / 'run' / 'checkpoints' / 'epoch_0002.pt'}"],
@@ -346,8 +352,8 @@ def test_checkpoints_are_kept_and_found_by_epoch_past_epoch_9999(tmp_path):
 
 def test_checkpoint_from_another_model_is_refused(tmp_path):
     train(tmp_path / "a", "trainer.epochs=1")
-    with pytest.raises(CheckpointError, match="model: checkpoint 'fastnet', this run 'cifar_resnet'; give the "
-                                              "options of the run that wrote it"):
+    with pytest.raises(CheckpointError, match="model: checkpoint 'fastnet', this run 'cifar_resnet'; leave those "
+                                              "options out: a resumed run takes them from the checkpoint"):
         train(tmp_path / "b", "trainer.epochs=1", "model=cifar_resnet20", f"trainer.resume={tmp_path / 'a'}")
     with pytest.raises(CheckpointError, match="optimizer"):
         train(tmp_path / "c", "trainer.epochs=1", "optimizer=lars", f"trainer.resume={tmp_path / 'a'}")
@@ -538,8 +544,9 @@ def test_eval_and_export_take_the_model_options_of_the_run_that_wrote_the_checkp
                     "fold_bn=true", "data.resolution=24", "trainer.epochs=1")
     out = run(tmp_path / "eval", "mode=eval", *TINY, f"checkpoint={tmp_path / 'run'}")
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "amp=True amp_dtype=bf16 ema=True fold_bn=True data.resolution=24 model.name=cifar_resnet model.width=8" \
-        in out.stdout
+    taken = re.search(r"as the run that wrote \S+: (.*)", out.stdout)[1].split()
+    assert {"amp=True", "amp_dtype=bf16", "ema=True", "fold_bn=True", "model.name=cifar_resnet", "model.width=8",
+            "data.resolution=24"} <= set(taken)
     result, final = json.loads((tmp_path / "eval" / "summary.json").read_text()), trained.history[-1]
     # on a GPU another process may take other cuDNN algorithms, which round bf16 otherwise
     assert result["val_top1"] == final["val_top1"] and result["val_loss"] == pytest.approx(final["val_loss"], rel=1e-4)
@@ -548,6 +555,26 @@ def test_eval_and_export_take_the_model_options_of_the_run_that_wrote_the_checkp
     out = run(tmp_path / "other", "mode=eval", "model=resnet18", *TINY, f"checkpoint={tmp_path / 'run'}")
     assert out.returncode == 2 and ("model: checkpoint 'cifar_resnet', this run 'resnet18'; leave those options out: "
                                     "evaluation and export take them from the checkpoint") in out.stdout
+
+
+def test_a_command_line_gives_the_keys_it_names_its_groups_and_what_its_presets_change():
+    """What a checkpoint's options may not override: a group's choice gives all its keys
+    (model=cifar_resnet20 keeps its width 16 against a narrow checkpoint's 8), a preset
+    the keys it changes, and data.num_classes the model's, which follows it."""
+    from trainer.config import given_options, options, take_options
+    defaults = config()
+    assert given_options(config("optimizer.lr=0.1"), ["optimizer.lr"], defaults) == {"optimizer.lr"}
+    assert {"model.width", "model.depth", "model.name"} <= given_options(config("model=cifar_resnet20"), ["model"],
+                                                                          defaults)
+    assert given_options(config("data.num_classes=10"), ["data.num_classes"], defaults) == {"data.num_classes",
+                                                                                            "model.num_classes"}
+    speed = given_options(config("+experiment=cifar10_speed"), ["experiment"], defaults)
+    assert {"optimizer.lr", "trainer.batch_size", "model.name", "data.tta"} <= speed and "trainer.seed" not in speed
+    narrow = options(config("model=cifar_resnet20_narrow", "trainer.seed=3"))
+    cfg = config("model=cifar_resnet20")
+    assert take_options(cfg, narrow, ("model.width", "trainer.seed"), {"model.width", "model.name"}) == {
+        "trainer.seed": 3}
+    assert cfg.model.width == 16 and cfg.trainer.seed == 3
 
 
 def test_training_and_evaluation_programs_are_told_apart(tmp_path):

@@ -9,10 +9,11 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.types import RunMode
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from trainer.config import TrainConfig, take_options, validate
+from trainer.config import CHECKPOINT_OPTIONS, RUN_OPTIONS, TrainConfig, given_options, take_options, validate
 from trainer.errors import CheckpointError, ConfigError, TrainerError
 from trainer.run_dir import given, other_run, restart_checkpoint, resumed_folder, saved
 
@@ -33,6 +34,8 @@ def run_train(cfg: TrainConfig, run_dir: Path):
     from trainer import dist
     from trainer.loop import Trainer
     cfg.trainer.resume = restart_checkpoint(run_dir) or cfg.trainer.resume  # torchrun restarted the job
+    if cfg.trainer.resume:
+        _take_options(cfg, cfg.trainer.resume, RUN_OPTIONS)
     trainer = Trainer(cfg, run_dir, dist.start(cfg))
     if trainer.dist.is_main:
         (run_dir / "plan.json").write_text(json.dumps(trainer.plans.to_json(), indent=1))
@@ -41,17 +44,30 @@ def run_train(cfg: TrainConfig, run_dir: Path):
 
 
 def _from_checkpoint(cfg: TrainConfig) -> str:
-    """The checkpoint that mode=eval or export reads; cfg takes the model options of the run
-    that wrote it (config.CHECKPOINT_OPTIONS), but for those its command line gives."""
-    from trainer import checkpoint
+    """The checkpoint that mode=eval or export reads, whose model options cfg takes."""
     path = cfg.checkpoint or cfg.trainer.resume
     if not path:
         raise CheckpointError(f"mode={cfg.mode} needs checkpoint=PATH (a checkpoint file or a run directory)")
-    taken = take_options(cfg, checkpoint.read(Path(path))["meta"].get("options", {}),
-                         given(HydraConfig.get().overrides.task))
+    _take_options(cfg, path, CHECKPOINT_OPTIONS)
+    return path
+
+
+def _take_options(cfg: TrainConfig, path: str, keys):
+    """cfg takes those `keys` of the options of the run that wrote the checkpoint at `path`
+    that its command line does not give, and is validated again with them."""
+    from trainer import checkpoint
+    meta = checkpoint.read(Path(path))["meta"]
+    written = meta.get("config", meta.get("options", {}))  # "options": the model's alone, in older checkpoints
+    hydra = HydraConfig.get()
+    defaults = GlobalHydra.instance().config_loader().load_configuration(
+        hydra.job.config_name, list(hydra.overrides.hydra), RunMode.RUN)
+    with open_dict(defaults):
+        del defaults["hydra"]
+    taken = take_options(cfg, written, keys, given_options(cfg, given(hydra.overrides.task),
+                                                            OmegaConf.to_object(defaults)))
     if taken:
         log.info("as the run that wrote %s: %s", path, " ".join(f"{key}={value}" for key, value in taken.items()))
-    return path
+        validate(cfg)
 
 
 def run_eval(cfg: TrainConfig, run_dir: Path):
@@ -177,14 +193,12 @@ def _make(folder: str, key: str):
 
 
 def _where_to_continue(cfg: DictConfig, run_dir: Path) -> str:
-    """How an interrupted training run goes on: from its newest checkpoint, with this
-    command's options (Hydra wrote them to the run's output_subdir), or from the one it
-    resumed if it wrote none."""
+    """How an interrupted training run goes on: from its newest checkpoint, which keeps the
+    run's options, or from the one it resumed if it wrote none."""
     found = saved(run_dir / "checkpoints")
-    command = run_dir / (HydraConfig.get().output_subdir or ".hydra") / "overrides.yaml"
     if found:
-        return (f"; continue from {found[-1].name} with trainer.resume={run_dir} and the other options of this "
-                f"command ({command} lists them)")
+        return (f"; continue from {found[-1].name} with trainer.resume={run_dir} (which takes this run's options "
+                "from it)")
     if cfg.trainer.resume:
         return f" before its first checkpoint; continue again from trainer.resume={cfg.trainer.resume}"
     return " before the first checkpoint: nothing to continue from"

@@ -87,9 +87,12 @@ def load(path: Path, arena: Arena, meta_now: dict, rank: int = 0, model_only: bo
     if (payload["model_fingerprint"] != model_fingerprint(plan) if model_only
             else payload["state_fingerprint"] != state_fingerprint(plan)):
         overrides = run_folder(path) / ".hydra" / "overrides.yaml"  # where Hydra keeps the writer's command line
-        advice = ("leave those options out: evaluation and export take them from the checkpoint"
-                  if model_only and "options" in payload["meta"] else "give the options of the run that wrote it"
-                  + (f" ({overrides} lists them)" if overrides.exists() else ""))
+        if "config" in payload["meta"] or model_only and "options" in payload["meta"]:
+            advice = (f"leave those options out: {'evaluation and export take' if model_only else 'a resumed run takes'} "
+                      "them from the checkpoint")
+        else:  # written before checkpoints kept their run's options
+            advice = "give the options of the run that wrote it" + (f" ({overrides} lists them)" if overrides.exists()
+                                                                     else "")
         raise CheckpointError(f"checkpoint {path} does not fit this run: "
                               f"{_difference(payload, plan, meta_now, model_only)}; {advice}")
     try:  # a file of the right layout whose parts are missing or cut short: damaged

@@ -232,6 +232,15 @@ def _get(cfg, dotted: str):
     return cfg
 
 
+def options(cfg: TrainConfig) -> dict[str, Any]:
+    """Every option of cfg by its dotted key; lists and compile_options are values."""
+    def leaves(node, prefix):
+        for f in fields(node):
+            value = getattr(node, f.name)
+            yield from leaves(value, f"{prefix}{f.name}.") if is_dataclass(value) else [(prefix + f.name, value)]
+    return dict(leaves(cfg, ""))
+
+
 # The options of the run that wrote a checkpoint which evaluating it needs: what shapes the
 # model and its tensors in the arena, and the images it was trained on: their size, their
 # classes and, for the embedded set, which normalizes by its training images' statistics,
@@ -239,24 +248,32 @@ def _get(cfg, dotted: str):
 # not give them.
 CHECKPOINT_OPTIONS = ("amp", "amp_dtype", "ema", "fold_bn", "data.num_classes", "data.resolution", "data.train_size",
                       *(f"model.{f.name}" for f in fields(ModelConfig)))
+# What one command asks, not what its run is: a resumed run takes every other option from
+# its checkpoint where its command line does not give it, so that it trains on as it began.
+_INVOCATION = ("mode", "device", "checkpoint", "trainer.resume", "trainer.stop_after_epoch", "dist.plan_ranks")
+RUN_OPTIONS = tuple(key for key in options(TrainConfig()) if key not in _INVOCATION and not key.startswith("bench."))
 
 
-def checkpoint_options(cfg: TrainConfig) -> dict[str, Any]:
-    return {key: _get(cfg, key) for key in CHECKPOINT_OPTIONS}
-
-
-def take_options(cfg: TrainConfig, options: dict[str, Any], given) -> dict[str, Any]:
-    """Sets cfg's CHECKPOINT_OPTIONS to `options` but for those `given` (keys as a command line
-    names them: a group's choice, model=..., gives model.name; data.num_classes gives the
-    model's too, which follows it); returns those that changed."""
-    given = set(given) | {f"{key}.name" for key in given if key == "model"}
-    given |= {"model.num_classes"} if "data.num_classes" in given else set()
-    changed = {key: value for key, value in options.items()
-               if key in CHECKPOINT_OPTIONS and key not in given and _get(cfg, key) != value}
+def take_options(cfg: TrainConfig, written: dict[str, Any], keys, given: set[str]) -> dict[str, Any]:
+    """Sets those of cfg's options among `keys` to their `written` values but for those
+    `given`; returns those that changed."""
+    changed = {key: value for key, value in written.items()
+               if key in keys and key not in given and _get(cfg, key) != value}
     for key, value in changed.items():
         *parents, last = key.split(".")
         setattr(reduce(getattr, parents, cfg), last, value)
     return changed
+
+
+def given_options(cfg: TrainConfig, named, defaults: TrainConfig) -> set[str]:
+    """The options a command line gives: those it names (`named`: keys as it names them; a
+    group's choice, model=..., names all of the group's keys, and data.num_classes the
+    model's, which follows it) and those it changes from `defaults`, the options composed
+    without it (as a preset, +experiment=..., does)."""
+    named = set(named) | ({"model.num_classes"} if "data.num_classes" in named else set())
+    before = options(defaults)
+    return {key for key, value in options(cfg).items()
+            if value != before.get(key) or any(key == name or key.startswith(name + ".") for name in named)}
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:

@@ -19,7 +19,7 @@ import torch
 import kernels
 from trainer import checkpoint
 from trainer.arena import HALF
-from trainer.config import TrainConfig, checkpoint_options
+from trainer.config import TrainConfig, options
 from trainer.data import build_sources, source_module
 from trainer.dist import Dist, device_for
 from trainer.errors import ConfigError, DivergedError
@@ -249,8 +249,8 @@ class Trainer:
             if saving:
                 self.save(epoch + 1)
             if stopping and not last:
-                log.info("stopping after epoch %d as trainer.stop_after_epoch asks; resume with trainer.resume=%s and "
-                         "this run's other options", epoch + 1, self.run_dir)
+                log.info("stopping after epoch %d as trainer.stop_after_epoch asks; continue with trainer.resume=%s "
+                         "(which takes this run's options from its checkpoint)", epoch + 1, self.run_dir)
                 break
         self.run_seconds = self._elapsed(run_start, result_at if result_at is not None else self._event())
         self.metrics.close()
@@ -274,7 +274,7 @@ class Trainer:
         if not self.dist.is_main:
             return
         folder = self.run_dir / "checkpoints"
-        meta = {**self.meta, "options": checkpoint_options(self.cfg), "epoch": epochs_done, "history": self.history,
+        meta = {**self.meta, "config": options(self.cfg), "epoch": epochs_done, "history": self.history,
                 "steps_per_epoch": self.per_epoch, "steps": min(epochs_done * self.per_epoch, self.total_steps),
                 "schedule_steps": self.total_steps}
         checkpoint.save(folder / f"epoch_{epochs_done:04d}.pt", self.arena, meta, per_rank)
