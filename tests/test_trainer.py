@@ -65,7 +65,10 @@ def test_default_run_learns_and_writes_its_records(tmp_path):
     assert steps and all({"step", "epoch", "variant", "loss", "top1", "top5", "lr", "images_per_s"} <= set(r)
                          for r in steps)
     assert [r["step"] for r in steps] == sorted(r["step"] for r in steps)
-    assert len([r for r in rows if "val_top1" in r]) == 4
+    records = [i for i, r in enumerate(rows) if "val_top1" in r]
+    assert len(records) == 4
+    for n, (begin, end) in enumerate(zip([-1, *records], records), 1):  # step rows number epochs as records do
+        assert {r["epoch"] for r in rows[begin + 1:end]} == {rows[end]["epoch"]} == {n}
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert len(plan["regions"]) == 68 and plan["fingerprint"]
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"

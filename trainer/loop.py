@@ -179,7 +179,7 @@ class Trainer:
                 self._first_step_done()
             if step % log_every == 0 or i == len(steps) - 1:
                 results = TensorFuture(a.flat(R.R_RESULT).view(3, -1)[:, 0])  # loss, top-1, top-5
-                self.metrics.step(step, epoch, v.name, self.images + seen[i] * self.dist.world,
+                self.metrics.step(step, epoch + 1, v.name, self.images + seen[i] * self.dist.world,
                                   results, a.to_host_async(self.plans.main[B.LR_WEIGHT]))
                 self._check_finite(block=False)
 

@@ -24,13 +24,14 @@ class MetricsLog:
         self.last = None  # (future, images so far) of the last written step
 
     def step(self, step: int, epoch: int, variant: str, images: int, results: TensorFuture, lr: TensorFuture):
-        """Queue this step's R_RESULT and learning rate; `images` counts since the run began."""
+        """Queue this step's R_RESULT and learning rate; `images` counts since the run began,
+        `epoch` from 1, as the epoch's record does."""
         self.pending.append((dict(step=step, epoch=epoch, variant=variant), images, results, lr))
         self.poll()
 
     def poll(self, wait_through: float = -1):
         """Write the step rows that are ready, in order; those of epochs up to wait_through
-        (0-based) are waited for."""
+        are waited for."""
         while self.pending and (self.pending[0][0]["epoch"] <= wait_through or self.pending[0][2].is_ready()):
             row, images, results, lr = self.pending.popleft()
             loss, top1, top5 = (float(v) for v in results.get())
@@ -66,7 +67,7 @@ class MetricsLog:
         """An epoch's train and evaluation sums, as one record, after its step rows. The steps
         of the next epoch, already queued, are not waited for: the device would run dry while
         the host then prepared the epoch after."""
-        self.poll(wait_through=row["epoch"] - 1)
+        self.poll(wait_through=row["epoch"])
         if self.tty:
             print()
         self._write_record(row)
