@@ -20,7 +20,7 @@ register()
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg):
-    app.main(cfg)
+    return app.main(cfg)
 
 
 if __name__ == "__main__":

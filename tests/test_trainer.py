@@ -431,6 +431,17 @@ def test_multirun_sweeps_two_jobs(tmp_path):
     assert all(json.loads(p.read_text())["steps"] == 16 for p in summaries)
 
 
+def test_a_sweep_job_that_fails_is_named_at_the_end_and_the_jobs_after_it_run(tmp_path):
+    """A learning rate that diverges fails its job alone; the sweep's exit says which."""
+    out = run(tmp_path, "optimizer.lr=1e9,0.1", "trainer.epochs=1", *TINY, multirun=True)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stdout + out.stderr
+    assert out.stderr.startswith("1 of the sweep's jobs failed, the others ran")
+    assert re.search(r"\njob 0 \(optimizer.lr=\S+ trainer.epochs=1 .*\): the epoch's training loss, .* training "
+                     r"diverged and stopped", out.stderr), out.stderr
+    assert not (tmp_path / "0" / "summary.json").exists()
+    assert json.loads((tmp_path / "1" / "summary.json").read_text())["steps"] == 16
+
+
 def test_a_sweep_with_a_bad_value_in_a_late_job_runs_no_job(tmp_path):
     """Each job's values are checked before the first job trains, not when its turn comes."""
     sweep = tmp_path / "sweep"

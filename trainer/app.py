@@ -9,8 +9,9 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.types import RunMode
+from hydra.core.utils import JobReturn
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from trainer.config import CHECKPOINT_OPTIONS, RUN_OPTIONS, TrainConfig, given_options, take_options, validate
@@ -114,7 +115,12 @@ class RunDirectory(Callback):
     """Checks the run's folder before Hydra makes it and writes its .hydra/ files there: one
     Hydra cannot make (read-only, under a file) ends in its traceback, and a folder must not
     be another run's (trainer.run_dir), whose command line .hydra/ keeps. Either is one
-    message here (conf/train.yaml names this callback); a sweep's jobs' folders likewise."""
+    message here (conf/train.yaml names this callback); a sweep's jobs' folders likewise.
+    A sweep's job that fails (a diverged learning rate, a missing file) does not stop the
+    jobs after it: the sweep ends by naming the failed ones, with a non-zero exit."""
+
+    def __init__(self):
+        self.failed: list[str] = []  # "job N (its overrides): why", of this sweep
 
     def on_run_start(self, config: DictConfig, **kwargs):
         if config.mode == "train" and config.trainer.resume:
@@ -131,6 +137,17 @@ class RunDirectory(Callback):
                 raise SystemExit(2)
         _validate_jobs(config)
         _make(config.hydra.sweep.dir, "hydra.sweep.dir")
+
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs):
+        if isinstance(job_return.return_value, JobFailed):
+            self.failed.append(f"job {config.hydra.job.num} ({' '.join(job_return.overrides)}): "
+                               f"{job_return.return_value}")
+
+    def on_multirun_end(self, config: DictConfig, **kwargs):
+        if self.failed:
+            print(f"{len(self.failed)} of the sweep's jobs failed, the others ran (each job's run.log in "
+                  f"{config.hydra.sweep.dir} has its details):\n" + "\n".join(self.failed), file=sys.stderr)
+            raise SystemExit(2)
 
 
 def _validate_jobs(config: DictConfig):
@@ -204,6 +221,10 @@ def _where_to_continue(cfg: DictConfig, run_dir: Path) -> str:
     return " before the first checkpoint: nothing to continue from"
 
 
+class JobFailed(str):
+    """What a sweep's job that failed returns: why, for the sweep's last word."""
+
+
 class Terminated(BaseException):
     """SIGTERM, as a scheduler preempting the job sends it: raised where the run is, as
     Ctrl-C raises KeyboardInterrupt, so that the run says where to continue from."""
@@ -223,6 +244,8 @@ def main(dict_cfg: DictConfig):
         MODES[cfg.mode](cfg, run_dir)
     except TrainerError as e:
         log.error("%s", e)
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            return JobFailed(e)  # the sweep goes on to its next job
         raise SystemExit(2)
     except (KeyboardInterrupt, Terminated) as e:  # a checkpoint is written whole or not at all: those there are intact
         log.error("%s%s", "interrupted" if isinstance(e, KeyboardInterrupt) else "terminated", _where_to_continue(
