@@ -2,11 +2,14 @@
 
 A checkpoint holds raw region bytes, so restoring it is bit-exact. It is accepted only by
 a plan whose persistent regions have the same layout (the state fingerprint); otherwise
-the message says which model, optimizer or region differs.
+the message says which model, optimizer or region differs. Each part's bytes carry a
+CRC-32, so that a file damaged where its layout still reads is refused, not restored.
 """
 import hashlib
 import json
 import os
+import zipfile
+import zlib
 from pathlib import Path
 
 import torch
@@ -64,6 +67,8 @@ def save(path: Path, arena: Arena, meta: dict, per_rank: dict | None = None):
                     for r in STATE_REGIONS if plan.region_bytes(r)},
         "scalars": {b.name: arena[plan[b]].cpu().clone() for b in STATE_SCALARS},
     }
+    payload["checksums"] = {f"{kind}.{name}": _crc(data) for kind in ("regions", "scalars")
+                            for name, data in payload[kind].items()}
     tmp = path.with_name(path.name + ".tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -81,6 +86,7 @@ def load(path: Path, arena: Arena, meta_now: dict, rank: int = 0, model_only: bo
     model_only: the model's regions alone, for evaluation and export, from a checkpoint of
     any optimizer, its state sharded or not, with the BN statistics of its ranks averaged
     (checkpoints written before model fingerprints need the whole state to fit)."""
+    path = latest(path) if Path(path).is_dir() else Path(path)
     payload = read(path)
     plan = arena.plan
     model_only = model_only and "model_fingerprint" in payload
@@ -95,21 +101,49 @@ def load(path: Path, arena: Arena, meta_now: dict, rank: int = 0, model_only: bo
                                                                      else "")
         raise CheckpointError(f"checkpoint {path} does not fit this run: "
                               f"{_difference(payload, plan, meta_now, model_only)}; {advice}")
-    try:  # a file of the right layout whose parts are missing or cut short: damaged
+    try:  # a file of the right layout whose parts are missing, cut short or overwritten: damaged
         _restore(payload, arena, rank, model_only)
-    except (KeyError, TypeError, _CutShort) as e:
-        why = str(e).splitlines()[0] if str(e) else "a part is missing"
-        raise CheckpointError(f"{path} is damaged ({type(e).__name__}: {why}); use an earlier checkpoint") from None
+    except (KeyError, TypeError) as e:
+        raise _damaged(path, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'a part is missing'}") \
+            from None
+    except _Damaged as e:
+        raise _damaged(path, str(e)) from None
     return payload["meta"]
 
 
-class _CutShort(Exception):
-    """A region or scalar of a checkpoint holds fewer bytes than its layout needs."""
+class _Damaged(Exception):
+    """A region or scalar of a checkpoint holds fewer bytes than its layout needs, or other
+    bytes than were written."""
+
+
+def _crc(data: torch.Tensor) -> int:
+    return zlib.crc32(data.contiguous().view(torch.uint8).numpy())
+
+
+def _intact(payload: dict, kind: str, name: str) -> torch.Tensor:
+    """A part of the checkpoint, checked against its CRC-32 (checkpoints written before
+    they had one are taken as they are)."""
+    data = payload[kind][name]
+    expected = payload.get("checksums", {}).get(f"{kind}.{name}")
+    if expected is not None and _crc(data) != expected:
+        raise _Damaged(f"{kind[:-1]} {name} holds other bytes than were written")
+    return data
+
+
+def _damaged(path: Path, why: str) -> CheckpointError:
+    """The message for a damaged checkpoint: how to go on from the one before it, which a
+    resume from the run's folder takes once this one is out of the way."""
+    found = saved(path.parent)
+    earlier = found[:found.index(path)] if path in found else []
+    if not earlier:
+        return CheckpointError(f"{path} is damaged ({why}); use another checkpoint")
+    return CheckpointError(f"{path} is damaged ({why}): move it out of {path.parent} to go on from the checkpoint "
+                           f"before it, {earlier[-1].name}")
 
 
 def _copy(into: torch.Tensor, data: torch.Tensor, name: str):
     if data.numel() < into.numel():
-        raise _CutShort(f"{name} holds {data.numel()} values of {into.numel()}")
+        raise _Damaged(f"{name} holds {data.numel()} values of {into.numel()}")
     into.copy_(data[:into.numel()].view(into.shape))
 
 
@@ -117,18 +151,19 @@ def _restore(payload: dict, arena: Arena, rank: int, model_only: bool):
     plan = arena.plan
     if model_only:  # tensor by tensor: the slots may lie elsewhere
         for r in MODEL_REGIONS:
-            data, n = payload["regions"].get(r.name), payload["region_bytes"][r.name]
+            n = payload["region_bytes"][r.name]
+            data = _intact(payload, "regions", r.name) if r.name in payload["regions"] else None
             if data is not None and data.numel() > n:  # every rank's BN statistics (fp32): their mean,
                 data = data.view(-1, n).view(torch.float32).mean(0).view(torch.uint8)  # as ranks average them
             for t, offset in zip(plan.regions[r], payload["offsets"][r.name]):
                 nbytes = t.numel * ITEMSIZE[t.dtype]
                 _copy(arena.storage[t.offset:t.offset + nbytes], data[offset:], f"region {r.name}")
-    for name, data in payload["regions"].items() if not model_only else ():
-        region = _region_bytes(arena, Region[name])
+    for name in payload["regions"] if not model_only else ():
+        region, data = _region_bytes(arena, Region[name]), _intact(payload, "regions", name)
         n = region.numel()
         _copy(region, data[(rank if rank < data.numel() // n else 0) * n:], f"region {name}")
-    for name, value in payload["scalars"].items():
-        _copy(arena[plan[Baseline[name]]], value.reshape(-1), f"scalar {name}")
+    for name in payload["scalars"]:
+        _copy(arena[plan[Baseline[name]]], _intact(payload, "scalars", name).reshape(-1), f"scalar {name}")
 
 
 def read(path: Path) -> dict:
@@ -137,6 +172,8 @@ def read(path: Path) -> dict:
         path = latest(path)
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}: give a checkpoint file, or a run directory that holds them")
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive, whose directory is at its end
+        raise _damaged(path, "not a whole zip archive, as torch.save writes: cut short, or another kind of file")
     try:
         # mapped, not read: evaluation reads a checkpoint's options before loading it, and a
         # load copies only the regions it restores
@@ -145,13 +182,12 @@ def read(path: Path) -> dict:
         # only the first sentence: torch's goes on with advice for its own callers (load with
         # weights_only=False, file an issue) that is wrong for a damaged or foreign file
         why = str(e).splitlines()[0].split(". ")[0] if str(e) else "unreadable"
-        raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}: {why}); it may be "
-                              f"truncated or not one this trainer wrote: use an earlier one") from None
+        raise _damaged(path, f"{type(e).__name__}: {why}") from None
     if not isinstance(payload, dict) or "state_fingerprint" not in payload:
         raise CheckpointError(f"{path} is not a checkpoint written by this trainer")
     missing = [key for key in ("layout", "meta", "regions", "scalars") if key not in payload]
     if missing:
-        raise CheckpointError(f"{path} is damaged (it has no {', '.join(missing)}); use an earlier checkpoint")
+        raise _damaged(path, f"it has no {', '.join(missing)}")
     return payload
 
 

@@ -6,15 +6,21 @@ agent, which started before this job wrote anything there. No torch here: the Hy
 callback that checks the folder runs before the configuration is read.
 """
 import os
+import re
 from pathlib import Path
 
 RECORDS = "metrics.jsonl"
 
 
+CHECKPOINT_NAME = re.compile(r"epoch_(\d+)\.pt")
+
+
 def saved(folder: Path) -> list[Path]:
-    """The checkpoints in a folder, oldest first. By epoch: the names pad it to four digits,
-    so epoch_10000 comes after epoch_9999 by its length, not its letters."""
-    return sorted(Path(folder).glob("epoch_*.pt"), key=lambda p: (len(p.name), p.name))
+    """The checkpoints in a folder, oldest first, by their epoch's number. Only the names the
+    trainer writes: a copy a user keeps beside them (epoch_0003_good.pt) is neither the
+    newest nor one to prune."""
+    found = (p for p in Path(folder).glob("epoch_*.pt") if CHECKPOINT_NAME.fullmatch(p.name))
+    return sorted(found, key=lambda p: int(CHECKPOINT_NAME.fullmatch(p.name)[1]))
 
 
 def agent_started_at() -> float | None:
