@@ -463,6 +463,16 @@ def test_a_sweep_with_a_bad_value_in_a_late_job_runs_no_job(tmp_path):
     assert not sweep.exists()
 
 
+def test_a_sweep_whose_jobs_share_a_folder_runs_no_job(tmp_path):
+    """hydra.sweep.subdir without the job's number: the second job would be refused there
+    only after Hydra had written its command line over the first's."""
+    out = run(tmp_path, "optimizer.lr=0.1,0.2", "hydra.sweep.subdir=${optimizer.name}", *TINY, multirun=True)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().startswith(f"sweep jobs 0 and 1 would both run in {tmp_path / 'nesterov'}: give each "
+                                         "job a folder of its own with hydra.sweep.subdir"), out.stderr
+    assert not (tmp_path / "nesterov").exists()
+
+
 @pytest.mark.parametrize("group", sorted(p.name for p in CONF.iterdir() if p.is_dir()))
 def test_every_config_group_option_composes(group):
     for option in sorted(p.stem for p in (CONF / group).glob("*.yaml")):

@@ -159,10 +159,19 @@ def _validate_jobs(config: DictConfig):
     loader = GlobalHydra.instance().config_loader()
     params = [f"{key}={value}" for key, value in (config.hydra.sweeper.params or {}).items()]
     overrides = OverridesParser.create(config_loader=loader).parse_overrides(params + list(config.hydra.overrides.task))
+    folders = {}
     for number, job in enumerate(BasicSweeper.split_arguments(overrides, None)[0]):
         job_config = loader.load_sweep_config(config, list(job))
         with open_dict(job_config):
+            job_config.hydra.job.num = number
+            folder = Path(job_config.hydra.sweep.dir) / job_config.hydra.sweep.subdir
             del job_config["hydra"]
+        if folder in folders:  # the later job would be refused there, after Hydra wrote its .hydra/ over the first's
+            print(f"sweep jobs {folders[folder]} and {number} would both run in {folder}: give each job a folder "
+                  f"of its own with hydra.sweep.subdir (its default, ${{hydra.job.num}}, does); no job has run",
+                  file=sys.stderr)
+            raise SystemExit(2)
+        folders[folder] = number
         try:
             validate(OmegaConf.to_object(job_config))
         except ConfigError as e:
