@@ -646,6 +646,31 @@ def test_fold_bn_needs_affine_batchnorm():
     assert len(plan.regions[Region.B_NEXT_MEAN]) == 1 and plan.regions[Region.W_BN_WEIGHT] == []
 
 
+# -- sharded optimizer state ---------------------------------------------------------------
+
+def moment_bytes(plan: MemoryPlan) -> int:
+    return sum(plan.region_bytes(r) for r in Region if r.name.startswith(("M_", "V_")))
+
+
+@pytest.mark.parametrize("config", [dict(optimizer="momentum"), dict(optimizer="nesterov"), dict(optimizer="adam"),
+                                    dict(optimizer="adamw", amp=True, ema=True), dict(optimizer="lars", amp=True)],
+                         ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_sharding_states_what_the_moments_take_and_what_the_arena_saves(config):
+    """What mode=plan says one rank of eight saves, against the replicated plan: its moment
+    regions (a one-moment optimizer has no V_ to count), and its whole arena, which is
+    smaller by less, since padding the units to whole shares grows the weights, gradients
+    and their twins."""
+    model = build_model("fastnet", 10)
+    replicated, sharded = (build_plans(model, PlanConfig(shards=n, deep_conv_buckets=4, **config), TRAIN, 10).main
+                           for n in (1, 8))
+    s = sharded.sharding()
+    assert s["bytes_per_gpu"] == moment_bytes(sharded)
+    assert s["replicated_bytes"] == moment_bytes(replicated)
+    assert s["saved_bytes_per_gpu"] == s["replicated_bytes"] - s["bytes_per_gpu"]
+    assert s["arena_saved_bytes"] == replicated.total_bytes - sharded.total_bytes
+    assert s["padding_bytes"] == s["saved_bytes_per_gpu"] - s["arena_saved_bytes"] > 0
+
+
 # -- fingerprint -------------------------------------------------------------------------
 
 def fingerprint(num_classes=10, width=8, batch=64, **config):

@@ -192,6 +192,7 @@ def test_one_rank_of_a_sharded_job_holds_its_share_of_the_moments(runs):
     assert s["bytes_per_gpu"] < 0.3 * s["replicated_bytes"] and s["saved_bytes_per_gpu"] > 0
     assert "optimizer state sharded over 4 ranks" in proc.stdout
     assert f"{s['bytes_per_gpu']:,} bytes a GPU where replicated it takes {s['replicated_bytes']:,}" in proc.stdout
+    assert f"the arena is {s['arena_saved_bytes']:,} bytes smaller" in proc.stdout
 
 
 def test_fingerprints_differ_between_configurations(runs):

@@ -378,13 +378,17 @@ class MemoryPlan:
         return hashlib.sha256(json.dumps([self.total_bytes, self.config.amp_dtype, rows]).encode()).hexdigest()[:16]
 
     def sharding(self) -> dict:
-        """Bytes per GPU of the sharded regions, and what they would take replicated (a
-        moment region mirrors its master weight region slot for slot)."""
-        sharded = [r for r in Region if self.config.sharded(r)]
+        """Bytes per GPU of the sharded moment regions, what they take replicated, and what the
+        whole arena saves: less, as the shares' padding grows the regions that mirror the weights."""
+        sharded = [r for r in Region if self.config.sharded(r) and self.config.enabled(r)]  # V_ only for Adam
         held = sum(self.region_bytes(r) for r in sharded)
-        replicated = sum(self.region_bytes(Region["W" + r.name[1:]]) for r in sharded)
+        # replicated, a moment holds one slot per master weight; the sharded plan's master slots are padded
+        replicated = sum(slot_bytes(w.shape, "fp32", r) for r in sharded for w in self.regions[Region["W" + r.name[1:]]])
+        mirrors = {FAMILY[role][k] for role in ("W", "G", "G16", "A", "E", "E16") for k in FAMILY[role]}
+        padding = sum(t.slot_bytes - slot_bytes(t.shape, t.dtype, t.region) for r in mirrors for t in self.regions[r])
         return {"shards": self.config.shards, "sharded_regions": [r.name for r in sharded if self.regions[r]],
-                "bytes_per_gpu": held, "replicated_bytes": replicated, "saved_bytes_per_gpu": replicated - held}
+                "bytes_per_gpu": held, "replicated_bytes": replicated, "saved_bytes_per_gpu": replicated - held,
+                "padding_bytes": padding, "arena_saved_bytes": replicated - held - padding}
 
     def to_json(self, variants=()) -> dict:
         self._require_frozen()

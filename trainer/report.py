@@ -16,5 +16,6 @@ def region_table(plans: Plans) -> str:
         s = p.sharding()
         rows.append(f"optimizer state sharded over {s['shards']} ranks ({', '.join(s['sharded_regions'])}): "
                     f"{s['bytes_per_gpu']:,} bytes a GPU where replicated it takes {s['replicated_bytes']:,}, "
-                    f"{s['saved_bytes_per_gpu']:,} bytes saved")
+                    f"{s['saved_bytes_per_gpu']:,} bytes saved; the shares' padding adds {s['padding_bytes']:,} to the "
+                    f"weights and gradients, so the arena is {s['arena_saved_bytes']:,} bytes smaller")
     return "\n".join(rows)
