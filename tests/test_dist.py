@@ -406,7 +406,7 @@ def test_two_nodes_train_as_two_ranks_of_one_node_in_the_directory_their_job_id_
 
 def test_a_killed_worker_is_restarted_and_the_job_resumes(e2e):
     killed = e2e / "killed"
-    assert f"resumed from {killed} after epoch 1" in (killed / "run.log").read_text()
+    assert f"resumed from {killed}, saved after epoch 1" in (killed / "run.log").read_text()
     assert json.loads((killed / "summary.json").read_text())["steps"] == 2 * PER_EPOCH
     (steps, epochs), (straight, straight_epochs) = records(killed), records(e2e / "two")
     assert list(steps) == list(straight)
@@ -478,7 +478,7 @@ def test_a_killed_gpu_worker_is_restarted_and_the_job_ends_as_the_uninterrupted_
     launch(straight, *gpu, "dist.shard_optimizer=true")
     launch(killed, *gpu, "dist.shard_optimizer=true", env={"TEST_KILL_AT_STEP": "37"})
     launch(replicated, *gpu)
-    assert f"resumed from {killed} after epoch 1" in (killed / "run.log").read_text()
+    assert f"resumed from {killed}, saved after epoch 1" in (killed / "run.log").read_text()
     (steps, epochs), (straight_steps, straight_epochs) = records(killed), records(straight)
     assert steps == straight_steps and len(steps) == 50
     assert [e["val_loss"] for e in epochs] == [e["val_loss"] for e in straight_epochs]

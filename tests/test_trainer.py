@@ -238,6 +238,19 @@ def test_a_refused_resume_leaves_its_folder_free_and_a_finished_one_its_summary(
     assert (tmp_path / "a" / "summary.json").read_text() == summary  # its timings, not a run's of nothing
 
 
+def test_a_resume_told_to_stop_where_it_resumes_is_refused(tmp_path):
+    """The first command's trainer.stop_after_epoch given again would train one more epoch
+    and stop, saying it stopped where it was asked to."""
+    from trainer.loop import Trainer
+    train(tmp_path / "a", "trainer.epochs=3", "trainer.stop_after_epoch=2")
+    for stop in (1, 2):
+        with pytest.raises(ConfigError, match=f"trainer.stop_after_epoch={stop}: .* has trained 2 epoch"):
+            Trainer(config(*TINY, "trainer.epochs=3", f"trainer.stop_after_epoch={stop}",
+                           f"trainer.resume={tmp_path / 'a'}"), tmp_path / "a", Dist())
+    assert Trainer(config(*TINY, "trainer.epochs=3", f"trainer.resume={tmp_path / 'a'}"), tmp_path / "a",
+                   Dist()).fit()["epochs"] == 3
+
+
 def test_a_resume_on_another_schedule_length_says_where_the_learning_rate_moves(tmp_path, caplog):
     from trainer.loop import Trainer
     train(tmp_path / "a", "trainer.epochs=2", "trainer.stop_after_epoch=1")
@@ -500,6 +513,8 @@ def test_nan_loss_stops_and_keeps_the_last_checkpoint(tmp_path, amp):
     out = run(tmp_path, *TINY, *explode, amp)
     assert out.returncode != 0
     assert "NaN or infinite" in out.stdout + out.stderr and "Traceback" not in out.stderr
+    assert f"The checkpoints saved before are intact (the newest: {tmp_path / 'checkpoints' / 'epoch_0001.pt'})" \
+        in out.stdout + out.stderr
     saved = checkpoint.read(tmp_path / "checkpoints")
     assert saved["meta"]["epoch"] == 1
     for name, data in saved["regions"].items():
@@ -524,7 +539,7 @@ def test_the_images_counted_at_each_step_include_a_short_last_batch(tmp_path, mo
 def test_a_finite_but_diverged_loss_stops_the_run_before_its_checkpoint(tmp_path):
     """A learning rate of 1e9 trains on at losses of 1e24, never NaN, at chance accuracy."""
     with pytest.raises(DivergedError, match=r"the epoch's training loss, .*e\+2\d, is over 1000 times a uniform "
-                                            r"guess's \(2.3\): training diverged and stopped. Checkpoints saved"):
+                                            r"guess's \(2.3\): training diverged and stopped. No checkpoint was saved before it"):
         train(tmp_path, "optimizer.lr=1e9", "trainer.epochs=2")
     assert not list((tmp_path / "checkpoints").glob("*"))
 
@@ -569,6 +584,8 @@ def test_eval_mode_reproduces_the_final_evaluation(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     result = json.loads((tmp_path / "eval" / "summary.json").read_text())
     final = trained.history[-1]
+    assert not (tmp_path / "eval" / "metrics.jsonl").exists()  # no records of training: it trains nothing
+    assert f"evaluating {tmp_path / 'run'}, saved after epoch 1" in out.stdout
     assert result["val_top1"] == final["val_top1"] and result["val_loss"] == pytest.approx(final["val_loss"])
 
 

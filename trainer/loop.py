@@ -28,7 +28,7 @@ from trainer.future import TensorFuture
 from trainer.metrics import MetricsLog, Stopwatch, plot_curves, write_summary
 from trainer.plan import Baseline as B
 from trainer.regions import Region as R
-from trainer.run_dir import RECORDS, other_run
+from trainer.run_dir import RECORDS, other_run, saved
 from trainer.schedule import lr_multipliers
 from trainer.planner import bn_eps, first_conv
 from trainer.setup import assemble, use_device
@@ -83,9 +83,12 @@ class Trainer:
                 self._check_whole_epochs(t.resume, done.get("steps"))
                 self._check_schedule(t.resume, done.get("schedule_steps"),
                                      done.get("steps", self.start_epoch * self.per_epoch))
-            log.info("resumed from %s after epoch %d", t.resume, self.start_epoch)
-        # claimed once the checkpoint is accepted: a refused start leaves the folder free for a corrected one
-        self.metrics = self._records(run_dir, claim=not evaluate_only)
+                self._check_stop(t.resume)
+            log.info("%s %s, saved after epoch %d", "evaluating" if evaluate_only else "resumed from", t.resume,
+                     self.start_epoch)
+        # claimed once the checkpoint is accepted: a refused start leaves the folder free for a corrected one;
+        # evaluation alone keeps no records (its result is summary.json)
+        self.metrics = self._records(run_dir, claim=not evaluate_only, enabled=dist.is_main and not evaluate_only)
         ready = self.clock()
         # a finished run resumed, or torchrun restarting a job after its last checkpoint
         finished = not evaluate_only and self.start_epoch >= math.ceil(t.epochs)
@@ -321,6 +324,14 @@ class Trainer:
                 + (f"continue from epoch {self.start_epoch - 1}'s checkpoint, if it is kept, in a folder of its own "
                    "(hydra.run.dir=...), or train from scratch" if self.start_epoch > 1 else "train from scratch"))
 
+    def _check_stop(self, path):
+        """trainer.stop_after_epoch at or before the epoch a run resumes after would stop it
+        only after one more epoch: the stop given again with the first command's options."""
+        stop = self.cfg.trainer.stop_after_epoch
+        if stop and stop <= self.start_epoch:
+            raise ConfigError(f"trainer.stop_after_epoch={stop}: {path} has trained {self.start_epoch} epoch(s) "
+                              f"already; give a later epoch to stop after, or leave it out to train to the end")
+
     def _check_schedule(self, path, then: int | None, step: int):
         """Another trainer.epochs lays the schedule over another number of steps (`then`, the
         checkpoint's): training on, or a shorter run, as asked, but the learning rate moves
@@ -333,7 +344,7 @@ class Trainer:
                     "learning rate at step %d is %.3g of its peak, where it was %.3g", path, then, self.total_steps,
                     step, now, before)
 
-    def _records(self, run_dir: Path, claim: bool) -> MetricsLog:
+    def _records(self, run_dir: Path, claim: bool, enabled: bool) -> MetricsLog:
         """The run's metrics file. A training run may not write into another run's folder
         (trainer.run_dir), and a new one claims its folder by creating the file: of two runs
         that started in the same second, the second is refused."""
@@ -344,7 +355,7 @@ class Trainer:
                 raise ConfigError(why)
             new = not (run_dir / RECORDS).exists()
         try:
-            return MetricsLog(run_dir, enabled=self.dist.is_main, log=log, new=new)
+            return MetricsLog(run_dir, enabled=enabled, log=log, new=new)
         except FileExistsError:
             raise ConfigError(other_run(run_dir, "")) from None
 
@@ -381,9 +392,11 @@ class Trainer:
                            f"({guess:.3g}): training diverged and stopped")
 
     def _diverged(self, what: str):
+        found = saved(self.run_dir / "checkpoints")
         raise DivergedError(
-            f"{what}. Checkpoints saved so far are intact in {self.run_dir / 'checkpoints'}. Lower optimizer.lr "
-            "or add a warm-up (schedule.warmup_epochs)" + (
+            f"{what}. " + (f"The checkpoints saved before are intact (the newest: {found[-1]}). " if found else
+                           "No checkpoint was saved before it. ")
+            + "Lower optimizer.lr or add a warm-up (schedule.warmup_epochs)" + (
                 "; under fp16 activations beyond 65504 overflow, amp_dtype=bf16 has fp32's range."
                 if self.cfg.amp and self.cfg.amp_dtype == "fp16" else "."))
 
