@@ -22,7 +22,7 @@ from trainer.errors import CheckpointError, ConfigError, DivergedError
 from trainer.future import TensorFuture
 from trainer.plan import Baseline as B
 from trainer.regions import Region as R
-from trainer.run_dir import saved
+from trainer.run_dir import find_checkpoint, saved
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
@@ -365,7 +365,7 @@ def test_checkpoints_are_kept_and_found_by_epoch_past_epoch_9999_and_a_users_cop
         (tmp_path / f"epoch_{name}.pt").write_bytes(b"")
     checkpoint.prune(tmp_path, 2)
     assert [p.name for p in saved(tmp_path)] == ["epoch_10000.pt", "epoch_10001.pt"]
-    assert checkpoint.latest(tmp_path).name == "epoch_10001.pt"
+    assert find_checkpoint(tmp_path).name == "epoch_10001.pt"
     assert (tmp_path / "epoch_10001_good.pt").exists() and (tmp_path / "epoch_best.pt").exists()
 
 
@@ -389,7 +389,7 @@ def test_a_damaged_checkpoint_is_refused_in_one_line_with_its_path(tmp_path, dam
     on wrong weights."""
     from trainer.loop import Trainer
     train(tmp_path / "a", "trainer.epochs=2")
-    path = checkpoint.latest(tmp_path / "a")
+    path = find_checkpoint(tmp_path / "a")
     saved = torch.load(path, weights_only=True)
     data = path.read_bytes()
     if damage == "truncated":
@@ -474,6 +474,22 @@ def test_a_sweep_with_a_bad_value_in_a_late_job_runs_no_job(tmp_path):
     assert out.stderr.strip() == ("sweep job 1 (optimizer=sgd trainer.batch_size=0 trainer.epochs=1 data.train_size=512 "
                                   "data.val_size=128): trainer.batch_size=0 must be positive; no job has run")
     assert not sweep.exists()
+
+
+@pytest.mark.parametrize("args, said", [
+    (["-m", "hydra.sweep.dir=sweep", "optimizer=sgd,adamm"],
+     "sweep job 1 (optimizer=adamm): In 'train': Could not find 'optimizer/adamm'\n\nAvailable options in 'optimizer':"),
+    (["hydra.run.dir=run", "trainer.resume=none"], "no checkpoint at none: give a checkpoint file, or a run directory"),
+    (["hydra.run.dir=run", "mode=eval", "checkpoint=none"], "no checkpoint at none: give a checkpoint file"),
+    (["hydra.run.dir="], "hydra.run.dir is empty: give the run a folder (hydra.run.dir=...)"),
+], ids=["a sweep's misspelled option", "resume", "eval", "empty run folder"])
+def test_a_command_that_cannot_start_says_why_and_leaves_no_folder(tmp_path, args, said):
+    """Before Hydra makes the run's folder (an empty run folder is the current one) or writes
+    a sweep's multirun.yaml, and without a warning from Hydra's callback machinery."""
+    out = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], capture_output=True, text=True, cwd=tmp_path,
+                         timeout=300)
+    assert out.returncode == 2 and out.stderr.startswith(said), out.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_sweep_whose_jobs_share_a_folder_runs_no_job(tmp_path):

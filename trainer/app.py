@@ -10,13 +10,14 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.utils import JobReturn
+from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from trainer.config import CHECKPOINT_OPTIONS, RUN_OPTIONS, TrainConfig, given_options, take_options, validate
 from trainer.errors import CheckpointError, ConfigError, TrainerError
-from trainer.run_dir import given, other_run, restart_checkpoint, resumed_folder, saved
+from trainer.run_dir import find_checkpoint, given, other_run, restart_checkpoint, resumed_folder, saved
 
 log = logging.getLogger("trainer")
 
@@ -123,6 +124,13 @@ class RunDirectory(Callback):
         self.failed: list[str] = []  # "job N (its overrides): why", of this sweep
 
     def on_run_start(self, config: DictConfig, **kwargs):
+        read = config.trainer.resume if config.mode == "train" else config.checkpoint or config.trainer.resume
+        if read and config.mode in ("train", "eval", "export"):
+            try:  # before Hydra makes a folder for a run that cannot start
+                find_checkpoint(read)
+            except CheckpointError as e:
+                print(e, file=sys.stderr)
+                raise SystemExit(2)
         if config.mode == "train" and config.trainer.resume:
             _continue_in_its_folder(config)
         _refuse_another_runs(Path(config.hydra.run.dir), config)
@@ -161,7 +169,11 @@ def _validate_jobs(config: DictConfig):
     overrides = OverridesParser.create(config_loader=loader).parse_overrides(params + list(config.hydra.overrides.task))
     folders = {}
     for number, job in enumerate(BasicSweeper.split_arguments(overrides, None)[0]):
-        job_config = loader.load_sweep_config(config, list(job))
+        try:
+            job_config = loader.load_sweep_config(config, list(job))
+        except HydraException as e:  # a group's option misspelled: Hydra's message lists the options
+            print(f"sweep job {number} ({' '.join(job)}): {e}", file=sys.stderr)
+            raise SystemExit(2)
         with open_dict(job_config):
             job_config.hydra.job.num = number
             folder = Path(job_config.hydra.sweep.dir) / job_config.hydra.sweep.subdir
@@ -210,6 +222,9 @@ def _refuse_another_runs(folder: Path, config: DictConfig):
 
 
 def _make(folder: str, key: str):
+    if not str(folder).strip():  # Hydra would write the run into the current folder
+        print(f"{key} is empty: give the run a folder ({key}=...)", file=sys.stderr)
+        raise SystemExit(2)
     try:
         Path(folder).mkdir(parents=True, exist_ok=True)
     except OSError as e:

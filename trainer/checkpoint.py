@@ -19,7 +19,7 @@ from trainer.dtensor import ITEMSIZE
 from trainer.errors import CheckpointError
 from trainer.plan import Baseline, MemoryPlan
 from trainer.regions import Region
-from trainer.run_dir import run_folder, saved
+from trainer.run_dir import find_checkpoint, run_folder, saved
 
 # Weights, EMA, half copies, BN statistics and optimizer moments: what training accumulates.
 STATE_REGIONS = tuple(r for r in Region if r.name[0] in "BWEAMVN")
@@ -86,7 +86,7 @@ def load(path: Path, arena: Arena, meta_now: dict, rank: int = 0, model_only: bo
     model_only: the model's regions alone, for evaluation and export, from a checkpoint of
     any optimizer, its state sharded or not, with the BN statistics of its ranks averaged
     (checkpoints written before model fingerprints need the whole state to fit)."""
-    path = latest(path) if Path(path).is_dir() else Path(path)
+    path = find_checkpoint(path)
     payload = read(path)
     plan = arena.plan
     model_only = model_only and "model_fingerprint" in payload
@@ -167,11 +167,7 @@ def _restore(payload: dict, arena: Arena, rank: int, model_only: bool):
 
 
 def read(path: Path) -> dict:
-    path = Path(path)
-    if path.is_dir():
-        path = latest(path)
-    if not path.is_file():
-        raise CheckpointError(f"no checkpoint at {path}: give a checkpoint file, or a run directory that holds them")
+    path = find_checkpoint(path)
     if not zipfile.is_zipfile(path):  # torch.save writes a zip archive, whose directory is at its end
         raise _damaged(path, "not a whole zip archive, as torch.save writes: cut short, or another kind of file")
     try:
@@ -189,15 +185,6 @@ def read(path: Path) -> dict:
     if missing:
         raise _damaged(path, f"it has no {', '.join(missing)}")
     return payload
-
-
-def latest(run_dir: Path) -> Path:
-    """The newest checkpoint of a run directory (or of its checkpoints/ folder)."""
-    folder = run_dir / "checkpoints" if (run_dir / "checkpoints").is_dir() else run_dir
-    found = saved(folder)
-    if not found:
-        raise CheckpointError(f"no checkpoints (epoch_*.pt) in {folder}")
-    return found[-1]
 
 
 def prune(folder: Path, keep: int):

@@ -9,9 +9,9 @@ import os
 import re
 from pathlib import Path
 
+from trainer.errors import CheckpointError
+
 RECORDS = "metrics.jsonl"
-
-
 CHECKPOINT_NAME = re.compile(r"epoch_(\d+)\.pt")
 
 
@@ -21,6 +21,21 @@ def saved(folder: Path) -> list[Path]:
     newest nor one to prune."""
     found = (p for p in Path(folder).glob("epoch_*.pt") if CHECKPOINT_NAME.fullmatch(p.name))
     return sorted(found, key=lambda p: int(CHECKPOINT_NAME.fullmatch(p.name)[1]))
+
+
+def find_checkpoint(path) -> Path:
+    """The checkpoint a path names: the file, or the newest of a run folder or of its
+    checkpoints/ folder."""
+    path = Path(path)
+    if path.is_dir():
+        folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        found = saved(folder)
+        if not found:
+            raise CheckpointError(f"no checkpoints (epoch_N.pt) in {folder}")
+        return found[-1]
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint at {path}: give a checkpoint file, or a run directory that holds them")
+    return path
 
 
 def agent_started_at() -> float | None:
