@@ -97,6 +97,8 @@ def test_a_capped_split_is_a_fixed_random_subset():
 def test_dataset_sizes():
     assert dataset_sizes(DataConfig(name="synthetic", train_size=300, val_size=0)) == (300, 1024)
     assert dataset_sizes(DataConfig(name="cifar10", train_size=1000)) == (1000, 10000)
+    with pytest.raises(ConfigError, match="^data.train_size=60000: cifar10 has 50000 train images; give at most"):
+        dataset_sizes(DataConfig(name="cifar10", train_size=60000))  # it trained on 50000, saying nothing
 
 
 def test_without_data_root_sizes_are_planned_without_reading_files(tmp_path, monkeypatch):

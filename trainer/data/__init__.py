@@ -23,8 +23,9 @@ _MODULES = {"synthetic": "trainer.data.synthetic", "cifar10": "trainer.data.cifa
 
 
 def dataset_sizes(d: DataConfig) -> tuple[int, int]:
-    """Examples in the training and evaluation splits (train_size / val_size cap them;
-    the synthetic set, and a JPEG folder planned without data.root, have exactly that many)."""
+    """Examples in the training and evaluation splits: train_size / val_size of them, all
+    where 0 (the synthetic set, and a JPEG folder planned without data.root, have exactly
+    the sizes given); more than a split holds is refused, not trained on as fewer."""
     if d.name == "synthetic":
         return d.train_size or _SYNTHETIC_DEFAULT[0], d.val_size or _SYNTHETIC_DEFAULT[1]
     if d.name == "imagefolder" and not d.root:  # mode=plan without the files: the sizes must be given
@@ -36,8 +37,11 @@ def dataset_sizes(d: DataConfig) -> tuple[int, int]:
         full = tuple(len(list_split(find_split(Path(d.root), (split,)))[0]) for split in ("train", "val"))
     else:  # CIFAR-10's sizes are known: no file is read, with or without data.root
         full = _FULL_SIZE[d.name]
-    return (min(full[0], d.train_size) if d.train_size else full[0],
-            min(full[1], d.val_size) if d.val_size else full[1])
+    for split, asked, have in (("train", d.train_size, full[0]), ("val", d.val_size, full[1])):
+        if asked > have:
+            raise ConfigError(f"data.{split}_size={asked}: {d.root or d.name} has {have} {split} images; give at most "
+                              f"that many, or 0 for all of them")
+    return d.train_size or full[0], d.val_size or full[1]
 
 
 def build_sources(cfg: TrainConfig, device: torch.device, rank: int, world: int,
