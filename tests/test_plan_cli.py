@@ -56,6 +56,20 @@ BAD = {
                                      True),
     "fold-bn-of-a-fast-net": (["fold_bn=true"], "this model has BatchNorms without one (the fast nets' learn only their "
                                                 "bias): use fold_bn=false, or a ResNet", True),
+    # torch warned of zero-element tensors and the message blamed the image size; no groups planned silently
+    "fast-net-group-of-no-channels": (["model.widths=[0,1]"], "model.widths=[0, 1]: model=fastnet needs one or more groups, "
+                                      "each of a positive number of channels", True),
+    "fast-net-of-no-groups": (["model.widths=[]"], "model.widths=[]: model=fastnet needs one or more groups", True),
+    "cifar-resnet-of-no-blocks": (["model=cifar_resnet20", "model.depth=2"],
+                                  "model.depth=2: model=cifar_resnet's depth is 6n+2 for n >= 1", True),
+    "cifar-resnet-negative-depth": (["model=cifar_resnet20", "model.depth=-4"],
+                                    "model.depth=-4: model=cifar_resnet's depth is 6n+2 for n >= 1", True),
+    "cifar-resnet-of-no-channels": (["model=cifar_resnet20", "model.width=0"],
+                                    "model.width=0: model=cifar_resnet needs a positive number of channels", True),
+    # nan failed the comparisons and was called negative
+    "step-factor-not-a-number": (["schedule.gamma=nan"], "schedule.gamma=nan is not a number", True),
+    "milestone-not-a-number": (["schedule=step", "schedule.milestones=[0.5,nan]"],
+                               "schedule.milestones=[0.5, nan]: nan is not a number of epochs", True),
 }
 
 
@@ -211,3 +225,9 @@ def test_bad_input_is_one_message_without_traceback(runs, name):
     if own_message:  # the app's error: said once, on one line, not echoed a second time
         assert sum(needle in line for line in output.splitlines()) == 1, output
     assert plan is None
+
+
+def test_an_infinite_step_factor_is_accepted():
+    """schedule.gamma=inf is how a test makes a run's loss blow up on purpose; only nan is refused."""
+    from trainer.config import compose_config
+    assert compose_config(["schedule=step", "schedule.milestones=[1]", "schedule.gamma=inf"]).schedule.gamma == float("inf")

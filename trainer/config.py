@@ -300,6 +300,16 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for key in _CLOSED_FRACTIONS:
         if not 0 <= _get(cfg, key) <= 1:
             raise ConfigError(f"{key}={_get(cfg, key)} must lie in [0, 1]")
+    m = cfg.model  # the shape keys of the model named: torch would fail on them later, or warn and build no layer
+    if m.name == "fastnet" and not (m.widths and min(m.widths) > 0):
+        raise ConfigError(f"model.widths={m.widths}: model=fastnet needs one or more groups, each of a positive "
+                          f"number of channels")
+    if m.name == "cifar_resnet" and (m.depth < 8 or (m.depth - 2) % 6):
+        raise ConfigError(f"model.depth={m.depth}: model=cifar_resnet's depth is 6n+2 for n >= 1 "
+                          f"(8, 14, 20, 32, 44, 56, 110)")
+    if m.name == "cifar_resnet" and m.width <= 0:
+        raise ConfigError(f"model.width={m.width}: model=cifar_resnet needs a positive number of channels in its "
+                          f"first stage")
     if cfg.dist.plan_ranks and cfg.mode != "plan":
         raise ConfigError(f"dist.plan_ranks={cfg.dist.plan_ranks} only applies to mode=plan; a job's ranks are "
                           f"the processes torchrun starts (--nproc_per_node, --nnodes)")
@@ -338,9 +348,13 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _validate_compile_options(cfg)
     if cfg.schedule.name == "step" and not cfg.schedule.milestones:
         raise ConfigError("schedule=step needs schedule.milestones, e.g. [30,60,80]")
+    if math.isnan(cfg.schedule.gamma):  # inf is allowed: a test makes a run diverge with it
+        raise ConfigError(f"schedule.gamma={cfg.schedule.gamma} is not a number")
     if not cfg.schedule.gamma >= 0:
         raise ConfigError(f"schedule.gamma={cfg.schedule.gamma} must not be negative: the learning rate would turn "
                           "negative and climb the loss")
+    if any(math.isnan(m) for m in cfg.schedule.milestones):
+        raise ConfigError(f"schedule.milestones={cfg.schedule.milestones}: nan is not a number of epochs")
     if any(not m >= 0 for m in cfg.schedule.milestones):
         raise ConfigError(f"schedule.milestones={cfg.schedule.milestones} must be epochs, not negative")
     if cfg.checkpoint and cfg.mode not in ("eval", "export"):
