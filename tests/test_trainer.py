@@ -221,6 +221,7 @@ def test_a_run_stopped_inside_an_epoch_is_not_trained_on_as_if_it_were_whole(tmp
     epoch's other 8 steps: refused. Asked for the same, it has nothing left to train."""
     from trainer.loop import Trainer
     train(tmp_path / "a", "trainer.epochs=1.5")
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["epochs"] == 1.5
     with pytest.raises(ConfigError, match="ends 8 of 16 steps into epoch 2 .*continue from epoch 1's checkpoint"):
         Trainer(config(*TINY, "trainer.epochs=3", f"trainer.resume={tmp_path / 'a'}"), tmp_path / "b", Dist())
     same = Trainer(config(*TINY, "trainer.epochs=1.5", f"trainer.resume={tmp_path / 'a'}"), tmp_path / "c", Dist())

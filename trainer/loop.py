@@ -286,7 +286,7 @@ class Trainer:
     def summary(self, last_row: dict) -> dict:
         steps = int(self.arena.to_host_async(self.plans.main[B.STEP]).get()[0])
         return {**{k: last_row.get(k) for k in ("val_top1", "val_top5", "val_loss", "train_loss")},
-                "steps": steps, "epochs": self.history[-1]["epoch"] if self.history else 0,
+                "steps": steps, "epochs": round(steps / self.per_epoch, 3),  # 1.5 of trainer.epochs=1.5
                 "images_per_s": round(self.images / self.train_seconds, 1) if self.train_seconds else None,
                 "train_s": round(self.train_seconds, 3), "setup_s": round(self.setup_s, 3),
                 "setup_parts_s": self.setup_parts,
