@@ -606,6 +606,16 @@ def test_eval_mode_reproduces_the_final_evaluation(tmp_path):
     assert result["val_top1"] == final["val_top1"] and result["val_loss"] == pytest.approx(final["val_loss"])
 
 
+def test_a_path_given_with_a_tilde_is_under_the_home_folder(tmp_path):
+    """Hydra's grammar takes a ~ in quotes (checkpoint='~/run'), and the shell leaves it as it
+    is: the trainer expands it."""
+    train(tmp_path / "run", "trainer.epochs=1")
+    out = subprocess.run(command(tmp_path / "eval", "mode=eval", *TINY, "checkpoint='~/run'"), capture_output=True,
+                         text=True, cwd=tmp_path, timeout=300, env={**os.environ, "HOME": str(tmp_path)})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert json.loads((tmp_path / "eval" / "summary.json").read_text())["checkpoint"] == str(tmp_path / "run")
+
+
 def test_eval_and_export_take_the_model_options_of_the_run_that_wrote_the_checkpoint(tmp_path):
     """Only the checkpoint on the command line: its model, resolution, amp, ema and fold_bn
     options come with it; a model given there instead is the one built, and refused by name."""

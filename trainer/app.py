@@ -15,7 +15,8 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from trainer.config import CHECKPOINT_OPTIONS, RUN_OPTIONS, TrainConfig, given_options, take_options, validate
+from trainer.config import (CHECKPOINT_OPTIONS, RUN_OPTIONS, TrainConfig, expand_paths, given_options, take_options,
+                            validate)
 from trainer.errors import CheckpointError, ConfigError, TrainerError
 from trainer.run_dir import find_checkpoint, given, other_run, restart_checkpoint, resumed_folder, saved
 
@@ -124,6 +125,7 @@ class RunDirectory(Callback):
         self.failed: list[str] = []  # "job N (its overrides): why", of this sweep
 
     def on_run_start(self, config: DictConfig, **kwargs):
+        expand_paths(config)
         read = config.trainer.resume if config.mode == "train" else config.checkpoint or config.trainer.resume
         if read and config.mode in ("train", "eval", "export"):
             try:  # before Hydra makes a folder for a run that cannot start

@@ -276,8 +276,20 @@ def given_options(cfg: TrainConfig, named, defaults: TrainConfig) -> set[str]:
             if value != before.get(key) or any(key == name or key.startswith(name + ".") for name in named)}
 
 
+# Paths a command line gives: the shell leaves a ~ after key= as it is (not an assignment)
+PATHS = ("data.root", "data.decode_cache", "compile_cache", "checkpoint", "trainer.resume")
+
+
+def expand_paths(cfg):
+    """~ in cfg's PATHS made the home folder; cfg a TrainConfig or Hydra's DictConfig of one."""
+    for key in PATHS:
+        *parents, last = key.split(".")
+        setattr(reduce(getattr, parents, cfg), last, os.path.expanduser(_get(cfg, key)))
+
+
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Values that type-check but cannot work; the first one found is the message."""
+    expand_paths(cfg)
     unknown = _unknown_keys(cfg)
     if unknown:
         raise ConfigError(f"+{unknown[0]}: the configuration has no such key (trainer/config.py lists every one); "
