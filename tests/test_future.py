@@ -49,9 +49,9 @@ def test_an_epoch_record_waits_only_for_that_epochs_steps(tmp_path):
     from trainer.metrics import MetricsLog
     log = MetricsLog(tmp_path)
     lr = TensorFuture(torch.ones(1))
-    log.step(10, 0, "train_base", 100, TensorFuture(torch.ones(3)), lr)
+    log.step(10, 1, "train_base", 100, TensorFuture(torch.ones(3)), lr)
     later = NotYet()
-    log.step(20, 1, "train_base", 200, later, lr)
+    log.step(20, 2, "train_base", 200, later, lr)
     log.epoch({"epoch": 1, "train_loss": 1.0})
     later.ready = True
     log.close()

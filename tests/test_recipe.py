@@ -208,7 +208,7 @@ def test_fractional_epochs_stop_the_last_epoch_part_way(tmp_path):
     summary = trainer.fit()
     assert trainer.per_epoch == 7
     assert summary["steps"] == 11 == math.ceil(1.5 * 7)
-    assert summary["epochs"] == 2 and [r["epoch"] for r in trainer.history] == [1, 2]
+    assert summary["epochs"] == round(11 / 7, 3) and [r["epoch"] for r in trainer.history] == [1, 2]
     assert trainer.images == 11 * 8, "the second epoch trains 4 of its 7 batches"
     assert trainer.ops.s[B.LR_SCHEDULE].numel() == 11
 

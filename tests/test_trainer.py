@@ -1,5 +1,6 @@
 """The trainer end to end on the CPU: the default run, resume, export, multirun, config
 groups and the non-finite-loss paths."""
+import contextlib
 import json
 import logging
 import math
@@ -37,6 +38,26 @@ def command(run_dir: Path, *args, multirun=False) -> list[str]:
     """`python run.py` with its run (or sweep) directory at run_dir."""
     where = f"hydra.sweep.dir={run_dir}" if multirun else f"hydra.run.dir={run_dir}"
     return [sys.executable, str(ROOT / "run.py"), *(["-m"] if multirun else []), where, *args]
+
+
+def from_a_terminal():
+    """In the child: SIGINT as a terminal's Ctrl-C delivers it. A script's background job
+    (`.ci/run &`) starts its children with SIGINT ignored, and Python then never raises
+    KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def started(argv: list[str], **kwargs):
+    """A run in the background, to interrupt; killed if the test fails before it ends."""
+    proc = subprocess.Popen(argv, preexec_fn=from_a_terminal, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            **kwargs)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
 
 
 def run(tmp_path: Path, *args, multirun=False) -> subprocess.CompletedProcess:
@@ -125,13 +146,13 @@ def test_ctrl_c_names_the_checkpoint_to_continue_from_which_resumes(tmp_path, se
     """SIGINT mid-run, or SIGTERM (a scheduler's preemption): one line instead of a
     traceback, the shell's exit status, and the checkpoint it names is intact: a run
     resumed from it trains on."""
-    proc = subprocess.Popen(command(tmp_path / "run", "trainer.epochs=1000"), cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    deadline = time.monotonic() + 120
-    while not list((tmp_path / "run" / "checkpoints").glob("epoch_*.pt")) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    proc.send_signal(sent)
-    printed = "".join(proc.communicate(timeout=60))
+    with started(command(tmp_path / "run", "trainer.epochs=1000"), cwd=tmp_path, stdout=subprocess.PIPE,
+                 stderr=subprocess.PIPE) as proc:
+        deadline = time.monotonic() + 120
+        while not list((tmp_path / "run" / "checkpoints").glob("epoch_*.pt")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        proc.send_signal(sent)
+        printed = "".join(proc.communicate(timeout=60))
     assert proc.returncode == status, printed
     assert "Traceback" not in printed
     saved = re.search(said + r"; continue from epoch_(\d+)\.pt with trainer.resume=(\S+)", printed)
@@ -159,7 +180,7 @@ sys.argv = {command(tmp_path / "run")[1:]!r}
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
     out = subprocess.run([sys.executable, "-c", press_ctrl_c_on_import], capture_output=True, text=True, cwd=tmp_path,
-                         timeout=120)
+                         timeout=120, preexec_fn=from_a_terminal)
     assert (out.returncode, out.stderr) == (130, "interrupted\n")
     assert not (tmp_path / "run").exists()
 
@@ -1131,16 +1152,14 @@ def test_accuracies_are_hits_over_examples_exactly(tmp_path):
 def test_ctrl_c_during_the_benchmark_is_one_line(tmp_path, sent, status, said):
     """Interrupted while a plain loop steps in its thread, mode=bench ends as training does:
     it used to exit under the running thread, which aborted (exit 134)."""
-    proc = subprocess.Popen(command(tmp_path / "bench", "mode=bench", "bench.baselines=[eager_bf16]",
-                                    "bench.warmup=0", "bench.steps=5000"),
-                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    printed = ""
-    while "timing eager_bf16" not in printed:  # logged in the loop's thread as its steps begin
-        line = proc.stdout.readline()
-        assert line, printed  # the run ended (its steps are bounded for this) without the line
-        printed += line
-    proc.send_signal(sent)
-    printed += proc.communicate(timeout=60)[0]
+    with started(command(tmp_path / "bench", "mode=bench", "bench.baselines=[eager_bf16]", "bench.warmup=0",
+                         "bench.steps=5000"), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
+        printed = ""
+        while "timing eager_bf16" not in printed:  # logged in the loop's thread as its steps begin
+            line = proc.stdout.readline()
+            assert line, printed  # the run ended (its steps are bounded for this) without the line
+            printed += line
+        proc.send_signal(sent)
+        printed += proc.communicate(timeout=60)[0]
     assert proc.returncode == status, printed
     assert said in printed and "terminate called" not in printed and "Traceback" not in printed, printed
