@@ -167,6 +167,17 @@ def test_a_corrupt_file_is_named_before_training(tree, content, why):
         build_sources(config(tree), CPU, 0, 1, None)
 
 
+def test_every_corrupt_file_is_named_in_one_message(tree):
+    """One run names them all: fixing one file a run took as many runs as there were."""
+    bad = [tree / "train" / "apple" / "3.jpg", tree / "val" / "mango" / "0.jpg"]
+    for path in bad:
+        path.write_bytes(b"")
+    empty = "empty file \\(0 bytes\\)"
+    with pytest.raises(DataError, match=f"^2 corrupt JPEGs: {bad[0]}: {empty}; {bad[1]}: {empty}; replace the files "
+                                        "or delete them$"):
+        build_sources(config(tree), CPU, 0, 1, None)
+
+
 def png_as_jpg(path: Path, color) -> None:
     """A PNG under a .jpg name, as ImageNet's n02105855_2933.JPEG is."""
     Image.new("RGB", (44, 40), color).save(path, format="PNG")

@@ -102,8 +102,7 @@ def from_jpegs(root: Path, split: str, n: int, asked: int, members: dict[str, by
     names = [names[i] for i in keep]
     encoded = [np.frombuffer(members[f] if members else Path(f).read_bytes(), np.uint8) for f in names]
     shown = [f"{root}:{f}" for f in names] if members else names
-    for name, data in zip(shown, encoded):
-        check_bytes(name, data)
+    check_bytes(shown, encoded)
     return decode_all(shown, encoded, d.threads).numpy(), labels[keep]
 
 

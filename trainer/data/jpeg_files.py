@@ -72,23 +72,30 @@ def _file_problem(path: str) -> str | None:
         return jpeg_problem(head, f.read())
 
 
-def corrupt(name: str, why: str) -> DataError:
-    return DataError(f"corrupt JPEG {name}: {why}; replace the file or delete it")
+def corrupt(problems: list[tuple[str, str]]) -> DataError:
+    """One message for every damaged file found, so that one run finds them all (the first
+    ten named)."""
+    if len(problems) == 1:
+        return DataError(f"corrupt JPEG {problems[0][0]}: {problems[0][1]}; replace the file or delete it")
+    shown = "; ".join(f"{name}: {why}" for name, why in problems[:10])
+    more = f"; and {len(problems) - 10} more" if len(problems) > 10 else ""
+    return DataError(f"{len(problems)} corrupt JPEGs: {shown}{more}; replace the files or delete them")
 
 
 def check_files(files: list[str], threads: int) -> None:
     """Look at both ends of every file, `threads` at a time (a few seconds per million files)."""
     with ThreadPoolExecutor(threads) as pool:
-        for path, why in zip(files, pool.map(_file_problem, files, chunksize=256)):
-            if why:
-                raise corrupt(path, why)
+        problems = [(path, why) for path, why in zip(files, pool.map(_file_problem, files, chunksize=256)) if why]
+    if problems:
+        raise corrupt(problems)
 
 
-def check_bytes(name: str, data) -> None:
-    """The same look for a file already in memory (bytes or a uint8 array)."""
-    why = jpeg_problem(bytes(data[:len(_PNG_START)]), bytes(data[-_TAIL:]))
-    if why:
-        raise corrupt(name, why)
+def check_bytes(names: list[str], encoded: list) -> None:
+    """The same look for files already in memory (bytes or uint8 arrays)."""
+    problems = [(name, why) for name, data in zip(names, encoded)
+                if (why := jpeg_problem(bytes(data[:len(_PNG_START)]), bytes(data[-_TAIL:])))]
+    if problems:
+        raise corrupt(problems)
 
 
 def decode_error(names: list[str], encoded: list, error: Exception) -> DataError:
@@ -99,7 +106,7 @@ def decode_error(names: list[str], encoded: list, error: Exception) -> DataError
             with Image.open(io.BytesIO(bytes(data))) as image:
                 image.load()
         except Exception as e:  # PIL raises many kinds; any of them names the culprit
-            return corrupt(name, f"cannot be decoded ({e})")
+            return corrupt([(name, f"cannot be decoded ({e})")])
     shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
     detail = str(error).split("encountered:")[-1].strip().splitlines()[0]  # past DALI's preamble
     return DataError(f"DALI could not decode a batch of {shown} ({detail}); check these files")
