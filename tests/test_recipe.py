@@ -193,6 +193,26 @@ def test_ema_updates_every_few_steps_with_a_warming_up_decay():
 
 
 # -- fractional epochs ----------------------------------------------------------------------
+def test_the_learning_rate_table_follows_each_schedule():
+    """Spot values of each schedule's closed form, in float64, for the table the step indexes."""
+    from trainer.config import ScheduleConfig
+    from trainer.schedule import lr_multipliers
+    warm = lr_multipliers(ScheduleConfig(name="cosine", warmup_epochs=1, warmup_start_fraction=0.1,
+                                         final_fraction=0.2), 110, 10)
+    assert warm.dtype == torch.float64 and len(warm) == 110
+    assert warm[0] == 0.1 and warm[5] == pytest.approx(0.55) and warm[10] == 1  # linear from 0.1 over 10 steps
+    assert warm[60] == pytest.approx(0.6) and warm[109] == pytest.approx(0.2 + 0.4 * (1 + math.cos(math.pi * 0.99)))
+    step = lr_multipliers(ScheduleConfig(name="step", milestones=[1, 3], gamma=0.1), 50, 10)
+    assert (step[9], step[10], step[29], step[30]) == pytest.approx((1, 0.1, 0.1, 0.01))
+    assert lr_multipliers(ScheduleConfig(name="step", milestones=[1], gamma=math.inf), 20, 10)[9] == 1
+    assert lr_multipliers(ScheduleConfig(name="linear"), 100, 10)[99] == pytest.approx(0.01)
+    assert lr_multipliers(ScheduleConfig(name="poly", power=2, final_fraction=0.5), 100, 10)[50] == pytest.approx(
+        0.5 + 0.5 * 0.25)
+    assert torch.equal(lr_multipliers(ScheduleConfig(name="constant"), 7, 10), torch.ones(7, dtype=torch.float64))
+    long = lr_multipliers(ScheduleConfig(), 10 ** 7, 100)  # a Python loop took seconds and gigabytes here
+    assert long[0] == 1 and long[-1] == pytest.approx(0, abs=1e-12)
+
+
 def test_total_steps_rounds_a_fractional_epoch_up():
     assert total_steps(1.5, 7) == 11 and total_steps(1.5, 8) == 12
     assert total_steps(9.9, 48) == 476  # the recipe: 9.9 epochs of 48 steps (49,152 of 50,000 examples)

@@ -664,8 +664,8 @@ def test_a_command_line_gives_the_keys_it_names_its_groups_and_what_its_presets_
     from trainer.config import given_options, options, take_options
     defaults = config()
     assert given_options(config("optimizer.lr=0.1"), ["optimizer.lr"], defaults) == {"optimizer.lr"}
-    assert {"model.width", "model.depth", "model.name"} <= given_options(config("model=cifar_resnet20"), ["model"],
-                                                                          defaults)
+    group = given_options(config("model=cifar_resnet20"), ["model"], defaults)
+    assert {"model.width", "model.depth", "model.name"} <= group
     assert given_options(config("data.num_classes=10"), ["data.num_classes"], defaults) == {"data.num_classes",
                                                                                             "model.num_classes"}
     speed = given_options(config("+experiment=cifar10_speed", "data.root=c.tgz"), ["experiment", "data.root"], defaults)

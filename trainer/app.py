@@ -66,8 +66,8 @@ def _take_options(cfg: TrainConfig, path: str, keys):
         hydra.job.config_name, list(hydra.overrides.hydra), RunMode.RUN)
     with open_dict(defaults):
         del defaults["hydra"]
-    taken = take_options(cfg, written, keys, given_options(cfg, given(hydra.overrides.task),
-                                                            OmegaConf.to_object(defaults)))
+    named = given(hydra.overrides.task)
+    taken = take_options(cfg, written, keys, given_options(cfg, named, OmegaConf.to_object(defaults)))
     if taken:
         log.info("as the run that wrote %s: %s", path, " ".join(f"{key}={value}" for key, value in taken.items()))
         validate(cfg)

@@ -97,8 +97,8 @@ def load(path: Path, arena: Arena, meta_now: dict, rank: int = 0, model_only: bo
             advice = (f"leave those options out: {'evaluation and export take' if model_only else 'a resumed run takes'} "
                       "them from the checkpoint")
         else:  # written before checkpoints kept their run's options
-            advice = "give the options of the run that wrote it" + (f" ({overrides} lists them)" if overrides.exists()
-                                                                     else "")
+            listed = f" ({overrides} lists them)" if overrides.exists() else ""
+            advice = f"give the options of the run that wrote it{listed}"
         raise CheckpointError(f"checkpoint {path} does not fit this run: "
                               f"{_difference(payload, plan, meta_now, model_only)}; {advice}")
     try:  # a file of the right layout whose parts are missing, cut short or overwritten: damaged

@@ -339,7 +339,7 @@ class Trainer:
         if then is None or then == self.total_steps or step >= self.total_steps:
             return
         schedule = self.cfg.schedule
-        before, now = (lr_multipliers(schedule, n, self.per_epoch)[min(step, n - 1)] for n in (then, self.total_steps))
+        before, now = (lr_multipliers(schedule, n, self.per_epoch)[min(step, n - 1)].item() for n in (then, self.total_steps))
         log.warning("%s was trained on a schedule of %d steps and this run's has %d (another trainer.epochs): the "
                     "learning rate at step %d is %.3g of its peak, where it was %.3g", path, then, self.total_steps,
                     step, now, before)

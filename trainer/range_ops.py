@@ -91,13 +91,13 @@ class RangeOps:
         self._plan = plan
 
     # -- set-up (host writes, before capture) ---------------------------------------
-    def init_scalars(self, h: Hyperparameters, lr_table: list[float], grad_scale: float):
+    def init_scalars(self, h: Hyperparameters, lr_table, grad_scale: float):
         s = self.s
         for b, value in ((B.WEIGHT_DECAY_BIAS, h.weight_decay_bias), (B.WEIGHT_DECAY, h.weight_decay),
                          (B.MOMENTUM, h.momentum), (B.BETA1, h.momentum), (B.BETA2, h.beta2),
                          (B.EPS, h.eps), (B.LARS_ETA, h.lars_eta), (B.MUON_MOMENTUM, h.muon_momentum)):
             s[b].fill_(value)
-        s[B.LR_SCHEDULE].copy_(torch.tensor(lr_table, dtype=torch.float32))
+        s[B.LR_SCHEDULE].copy_(torch.as_tensor(lr_table, dtype=torch.float64))  # rounded once, to fp32
         s[B.LOSS_SCALE].fill_(grad_scale if self.dynamic_scale else 1.0)
         if self.config.optimizer == "lars":
             segments = [t.slot_bytes // 4 // CHUNK for k in HALF_KINDS

@@ -179,8 +179,7 @@ def assemble(cfg: TrainConfig, device: torch.device, world: int = 1,
                    growth_interval=t.grad_scale_growth_interval, dynamic_scale=cfg.amp_dtype == "fp16",
                    freezes=freezes, muon_lr_scale=h.lr_muon / h.lr_weight if h.lr_weight else 0.0,
                    newton_schulz_steps=cfg.optimizer.newton_schulz_steps)
-    ops.init_scalars(h, [h.lr_weight * f for f in lr_multipliers(cfg.schedule, steps, per_epoch)],
-                     t.grad_scale_init)
+    ops.init_scalars(h, h.lr_weight * lr_multipliers(cfg.schedule, steps, per_epoch), t.grad_scale_init)
     ops.set_ema_decay(cfg.ema_decay)
     grad_sync = grad_sync_factory(ops) if grad_sync_factory is not None else None
     forward = compiled(model, cfg) if cfg.compile else model
