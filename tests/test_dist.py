@@ -80,7 +80,7 @@ def test_torchrun_ranks_share_one_run_directory_and_rank_0_its_log():
         dist.launch_overrides([], {**static, "WORLD_SIZE": "16"})
 
 
-def test_a_torchrun_job_that_resumes_a_run_goes_on_in_its_folder(tmp_path):
+def test_a_torchrun_job_that_resumes_a_run_goes_on_in_its_folder(tmp_path, monkeypatch):
     """As a single process does; a checkpoint outside any run's folder starts the job's own."""
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     for resume in (tmp_path / "run", tmp_path / "run" / "checkpoints", tmp_path / "run" / "checkpoints" / "e.pt"):
@@ -89,6 +89,9 @@ def test_a_torchrun_job_that_resumes_a_run_goes_on_in_its_folder(tmp_path):
                 f"hydra.run.dir={tmp_path / 'run'}"
     assert dist.launch_overrides([f"trainer.resume={tmp_path / 'e.pt'}"], {**TORCHRUN, "RANK": "0"}) == [
         "hydra.run.dir=outputs/torchrun/job7"]
+    monkeypatch.setenv("HOME", str(tmp_path))  # in Hydra's quotes, as its grammar takes a ~
+    assert dist.launch_overrides(["trainer.resume='~/run'"], {**TORCHRUN, "RANK": "0"})[0] == \
+        f"hydra.run.dir={tmp_path / 'run'}"
 
 
 def test_device_cuda_without_a_gpu_is_refused_and_auto_falls_back_to_the_cpu(monkeypatch):
@@ -319,6 +322,7 @@ def test_a_sharded_checkpoint_resumes_every_rank_share_and_its_model_loads_in_on
         assert resumed_losses == losses
         assert_same_state(state, resumed_state)
         assert "sharded over 2 ranks, this run's over 1" in run["refused"]
+        assert "leave those options out" not in run["refused"]  # no option of the command line differs
     for run in sharded_runs:  # the weights as they are, the BN statistics (EMA's too) averaged over the ranks
         assert len(run["model_only"]["same"]) > 4 and all(run["model_only"]["same"])
         for name, (loaded, _) in run["model_only"]["bn"].items():

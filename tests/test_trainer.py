@@ -298,6 +298,8 @@ def test_a_resume_goes_on_in_its_runs_folder_with_its_options_and_keeps_its_firs
     out = subprocess.run(resume, capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "optimizer.name=lars optimizer.lr=0.3" in out.stdout and "trainer.batch_size=32" in out.stdout
+    assert "this command changes the options of the run that wrote" in out.stdout and \
+        "trainer.log_every=7 (was 20)" in out.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no outputs/DATE/TIME beside it
     assert [p.name for p in saved(tmp_path / "run" / "checkpoints")] == ["epoch_0002.pt", "epoch_0003.pt"]
     options = [checkpoint.read(tmp_path / "run" / "checkpoints" / f"epoch_000{n}.pt")["meta"]["config"] for n in (2, 3)]
@@ -481,7 +483,7 @@ def test_a_sweep_job_that_fails_is_named_at_the_end_and_the_jobs_after_it_run(tm
     """A learning rate that diverges fails its job alone; the sweep's exit says which."""
     out = run(tmp_path, "optimizer.lr=1e9,0.1", "trainer.epochs=1", *TINY, multirun=True)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stdout + out.stderr
-    assert out.stderr.startswith("1 of the sweep's jobs failed, the others ran")
+    assert out.stderr.startswith("1 of the sweep's 2 jobs failed")
     assert re.search(r"\njob 0 \(optimizer.lr=\S+ trainer.epochs=1 .*\): the epoch's training loss, .* training "
                      r"diverged and stopped", out.stderr), out.stderr
     assert not (tmp_path / "0" / "summary.json").exists()
@@ -512,6 +514,46 @@ def test_a_command_that_cannot_start_says_why_and_leaves_no_folder(tmp_path, arg
                          timeout=300)
     assert out.returncode == 2 and out.stderr.startswith(said), out.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_sweep_named_by_job_id_checks_every_job_first(tmp_path):
+    """hydra.sweep.subdir=${hydra.job.id}: the job's folder resolves as Hydra's launcher sets it."""
+    out = run(tmp_path, "mode=plan", "optimizer.lr=0.1,-1", "hydra.sweep.subdir=${hydra.job.id}", multirun=True)
+    assert out.returncode == 2 and out.stderr.strip().endswith("must not be negative; no job has run"), out.stderr
+    assert not (tmp_path / "0").exists()
+
+
+def test_a_sweep_counts_a_job_that_crashed_and_goes_on():
+    """A job that fails with any error returns it (main), and the sweep ends naming it; the
+    return value of a job Hydra marked failed is not read (it raises its error again)."""
+    from hydra.core.utils import JobReturn, JobStatus
+    from omegaconf import OmegaConf
+
+    from trainer.app import JobFailed, RunDirectory
+    callback = RunDirectory()
+    config = OmegaConf.create({"hydra": {"job": {"num": 0}, "sweep": {"dir": "sweep"}}})
+    crashed = JobReturn(overrides=["trainer.batch_size=4096"], status=JobStatus.COMPLETED)
+    crashed.return_value = JobFailed("OutOfMemoryError: CUDA out of memory")
+    callback.on_job_end(config, crashed)
+    failed = JobReturn(overrides=["x=1"], status=JobStatus.FAILED, _return_value=RuntimeError("raised again if read"))
+    callback.on_job_end(config, failed)
+    with pytest.raises(SystemExit) as ended:
+        callback.on_multirun_end(config)
+    assert ended.value.code == 2 and callback.failed == [
+        "job 0 (trainer.batch_size=4096): OutOfMemoryError: CUDA out of memory"]
+
+
+def test_paths_given_with_interpolations_are_left_to_resolve():
+    """The run-folder callback runs before Hydra's resolvers can: ${hydra:runtime.cwd} is
+    left as it is (expanding it failed the callback, which then skipped the folder checks)."""
+    from omegaconf import OmegaConf
+
+    from trainer.config import expand_paths
+    cfg = OmegaConf.create({"data": {"root": "${hydra:runtime.cwd}/data", "decode_cache": "~/cache"},
+                            "compile_cache": "", "checkpoint": "", "trainer": {"resume": "~/run"}})
+    expand_paths(cfg)
+    assert OmegaConf.is_interpolation(cfg.data, "root")
+    assert (cfg.data.decode_cache, cfg.trainer.resume) == (os.path.expanduser("~/cache"), os.path.expanduser("~/run"))
 
 
 def test_a_sweep_whose_jobs_share_a_folder_runs_no_job(tmp_path):
@@ -639,14 +681,15 @@ def test_a_path_given_with_a_tilde_is_under_the_home_folder(tmp_path):
 
 def test_eval_and_export_take_the_model_options_of_the_run_that_wrote_the_checkpoint(tmp_path):
     """Only the checkpoint on the command line: its model, resolution, amp, ema and fold_bn
-    options come with it; a model given there instead is the one built, and refused by name."""
+    options come with it, and the data it was evaluated on; a model given there instead is
+    the one built, and refused by name."""
     trained = train(tmp_path / "run", "model=cifar_resnet20_narrow", "amp=true", "amp_dtype=bf16", "ema=true",
                     "fold_bn=true", "data.resolution=24", "trainer.epochs=1")
-    out = run(tmp_path / "eval", "mode=eval", *TINY, f"checkpoint={tmp_path / 'run'}")
+    out = run(tmp_path / "eval", "mode=eval", f"checkpoint={tmp_path / 'run'}")
     assert out.returncode == 0, out.stdout + out.stderr
     taken = re.search(r"as the run that wrote \S+: (.*)", out.stdout)[1].split()
     assert {"amp=True", "amp_dtype=bf16", "ema=True", "fold_bn=True", "model.name=cifar_resnet", "model.width=8",
-            "data.resolution=24"} <= set(taken)
+            "data.resolution=24", "data.train_size=512", "data.val_size=128"} <= set(taken)
     result, final = json.loads((tmp_path / "eval" / "summary.json").read_text()), trained.history[-1]
     # on a GPU another process may take other cuDNN algorithms, which round bf16 otherwise
     assert result["val_top1"] == final["val_top1"] and result["val_loss"] == pytest.approx(final["val_loss"], rel=1e-4)
@@ -668,6 +711,7 @@ def test_a_command_line_gives_the_keys_it_names_its_groups_and_what_its_presets_
     assert {"model.width", "model.depth", "model.name"} <= group
     assert given_options(config("data.num_classes=10"), ["data.num_classes"], defaults) == {"data.num_classes",
                                                                                             "model.num_classes"}
+    assert "model.num_classes" in given_options(config("data=synthetic"), ["data"], defaults)  # as data's follows
     speed = given_options(config("+experiment=cifar10_speed", "data.root=c.tgz"), ["experiment", "data.root"], defaults)
     assert {"optimizer.lr", "trainer.batch_size", "model.logit_scale", "data.tta"} <= speed and "trainer.seed" not in speed
     narrow = options(config("model=cifar_resnet20_narrow", "trainer.seed=3"))

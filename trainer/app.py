@@ -9,16 +9,16 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.utils import JobReturn
+from hydra.core.utils import JobReturn, JobStatus
 from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from trainer.config import (CHECKPOINT_OPTIONS, RUN_OPTIONS, TrainConfig, expand_paths, given_options, take_options,
-                            validate)
+from trainer.config import (CHECKPOINT_OPTIONS, RUN_OPTIONS, TrainConfig, expand_paths, given_changes, given_options,
+                            take_options, validate)
 from trainer.errors import CheckpointError, ConfigError, TrainerError
-from trainer.run_dir import find_checkpoint, given, other_run, restart_checkpoint, resumed_folder, saved
+from trainer.run_dir import find_checkpoint, given, other_run, restart_checkpoint, restarted, resumed_folder, saved
 
 log = logging.getLogger("trainer")
 
@@ -61,13 +61,20 @@ def _take_options(cfg: TrainConfig, path: str, keys):
     from trainer import checkpoint
     meta = checkpoint.read(Path(path))["meta"]
     written = meta.get("config", meta.get("options", {}))  # "options": the model's alone, in older checkpoints
+    if keys is RUN_OPTIONS and "config" not in meta:
+        log.warning("%s was written before checkpoints kept every option of their run: give the options it was "
+                    "started with (its run's .hydra/overrides.yaml lists them)", path)
     hydra = HydraConfig.get()
     defaults = GlobalHydra.instance().config_loader().load_configuration(
         hydra.job.config_name, list(hydra.overrides.hydra), RunMode.RUN)
     with open_dict(defaults):
         del defaults["hydra"]
-    named = given(hydra.overrides.task)
-    taken = take_options(cfg, written, keys, given_options(cfg, named, OmegaConf.to_object(defaults)))
+    named = given_options(cfg, given(hydra.overrides.task), expand_paths(OmegaConf.to_object(defaults)))
+    changed = given_changes(cfg, written, keys, named)
+    if changed:
+        log.info("this command changes the options of the run that wrote %s: %s", path,
+                 " ".join(f"{key}={now} (was {then})" for key, (then, now) in changed.items()))
+    taken = take_options(cfg, written, keys, named)
     if taken:
         log.info("as the run that wrote %s: %s", path, " ".join(f"{key}={value}" for key, value in taken.items()))
         validate(cfg)
@@ -122,12 +129,12 @@ class RunDirectory(Callback):
     jobs after it: the sweep ends by naming the failed ones, with a non-zero exit."""
 
     def __init__(self):
-        self.failed: list[str] = []  # "job N (its overrides): why", of this sweep
+        self.jobs, self.failed = 0, []  # of this sweep: its jobs run, "job N (its overrides): why" of those failed
 
     def on_run_start(self, config: DictConfig, **kwargs):
         expand_paths(config)
         read = config.trainer.resume if config.mode == "train" else config.checkpoint or config.trainer.resume
-        if read and config.mode in ("train", "eval", "export"):
+        if read and config.mode in ("train", "eval", "export") and not restarted():  # a restart takes the folder's
             try:  # before Hydra makes a folder for a run that cannot start
                 find_checkpoint(read)
             except CheckpointError as e:
@@ -149,13 +156,15 @@ class RunDirectory(Callback):
         _make(config.hydra.sweep.dir, "hydra.sweep.dir")
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs):
-        if isinstance(job_return.return_value, JobFailed):
+        self.jobs += 1
+        # main returns JobFailed for a job that failed (a FAILED status's return_value raises)
+        if job_return.status == JobStatus.COMPLETED and isinstance(job_return.return_value, JobFailed):
             self.failed.append(f"job {config.hydra.job.num} ({' '.join(job_return.overrides)}): "
                                f"{job_return.return_value}")
 
     def on_multirun_end(self, config: DictConfig, **kwargs):
         if self.failed:
-            print(f"{len(self.failed)} of the sweep's jobs failed, the others ran (each job's run.log in "
+            print(f"{len(self.failed)} of the sweep's {self.jobs} jobs failed (each job's run.log in "
                   f"{config.hydra.sweep.dir} has its details):\n" + "\n".join(self.failed), file=sys.stderr)
             raise SystemExit(2)
 
@@ -177,7 +186,7 @@ def _validate_jobs(config: DictConfig):
             print(f"sweep job {number} ({' '.join(job)}): {e}", file=sys.stderr)
             raise SystemExit(2)
         with open_dict(job_config):
-            job_config.hydra.job.num = number
+            job_config.hydra.job.num = job_config.hydra.job.id = number  # as Hydra's launcher sets them
             folder = Path(job_config.hydra.sweep.dir) / job_config.hydra.sweep.subdir
             del job_config["hydra"]
         if folder in folders:  # the later job would be refused there, after Hydra wrote its .hydra/ over the first's
@@ -277,6 +286,8 @@ def main(dict_cfg: DictConfig):
         log.error("%s%s", "interrupted" if isinstance(e, KeyboardInterrupt) else "terminated", _where_to_continue(
             dict_cfg, run_dir) if dict_cfg.mode == "train" else "")
         raise SystemExit(130 if isinstance(e, KeyboardInterrupt) else 143)  # as a shell reports SIGINT, SIGTERM
-    except Exception:
+    except Exception as e:
         log.exception("the run failed")  # into this rank's log file too, not only onto stderr
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            return JobFailed(f"{type(e).__name__}: {e}")  # the sweep goes on to its next job
         raise

@@ -92,15 +92,16 @@ def load(path: Path, arena: Arena, meta_now: dict, rank: int = 0, model_only: bo
     model_only = model_only and "model_fingerprint" in payload
     if (payload["model_fingerprint"] != model_fingerprint(plan) if model_only
             else payload["state_fingerprint"] != state_fingerprint(plan)):
+        why, options_differ = _difference(payload, plan, meta_now, model_only)
         overrides = run_folder(path) / ".hydra" / "overrides.yaml"  # where Hydra keeps the writer's command line
-        if "config" in payload["meta"] or model_only and "options" in payload["meta"]:
-            advice = (f"leave those options out: {'evaluation and export take' if model_only else 'a resumed run takes'} "
-                      "them from the checkpoint")
-        else:  # written before checkpoints kept their run's options
+        advice = ""
+        if options_differ and ("config" in payload["meta"] or model_only and "options" in payload["meta"]):
+            advice = (f"; leave those options out: {'evaluation and export take' if model_only else 'a resumed run takes'}"
+                      " them from the checkpoint")
+        elif options_differ:  # written before checkpoints kept their run's options
             listed = f" ({overrides} lists them)" if overrides.exists() else ""
-            advice = f"give the options of the run that wrote it{listed}"
-        raise CheckpointError(f"checkpoint {path} does not fit this run: "
-                              f"{_difference(payload, plan, meta_now, model_only)}; {advice}")
+            advice = f"; give the options of the run that wrote it{listed}"
+        raise CheckpointError(f"checkpoint {path} does not fit this run: {why}{advice}")
     try:  # a file of the right layout whose parts are missing, cut short or overwritten: damaged
         _restore(payload, arena, rank, model_only)
     except (KeyError, TypeError) as e:
@@ -197,17 +198,19 @@ def _region_bytes(arena: Arena, region: Region) -> torch.Tensor:
     return arena.storage[offset:offset + nbytes]
 
 
-def _difference(payload: dict, plan: MemoryPlan, meta_now: dict, model_only: bool) -> str:
+def _difference(payload: dict, plan: MemoryPlan, meta_now: dict, model_only: bool) -> tuple[str, bool]:
+    """What differs between the checkpoint and this run's plan, and whether it is options of
+    the run (IDENTITY), which the command line may have given otherwise."""
     then = payload["meta"]
     changed = [f"{k}: checkpoint {then.get(k)!r}, this run {meta_now.get(k)!r}"
                for k in (MODEL_IDENTITY if model_only else IDENTITY) if k in then and then[k] != meta_now.get(k)]
     if changed:
-        return "; ".join(changed)
+        return "; ".join(changed), True
     if not model_only and payload.get("shards", 1) != plan.config.shards:
         return (f"its optimizer state is sharded over {payload.get('shards', 1)} ranks, this run's over "
-                f"{plan.config.shards} (resume with the same number of ranks and dist.shard_optimizer)")
+                f"{plan.config.shards} (resume with the same number of ranks and dist.shard_optimizer)"), False
     for r in MODEL_REGIONS if model_only else STATE_REGIONS:
         ours = [t.name for t in plan.regions[r]]
         if payload["layout"].get(r.name) != ours:
-            return f"region {r.name} holds different tensors (another model or plan)"
-    return "the tensors' shapes differ (another model width, depth or number of classes)"
+            return f"region {r.name} holds different tensors (another model or plan)", True
+    return "the tensors' shapes differ (another model width, depth or number of classes)", True

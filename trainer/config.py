@@ -10,7 +10,7 @@ from typing import Any
 
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
-from omegaconf import II, MISSING, OmegaConf
+from omegaconf import II, MISSING, DictConfig, OmegaConf
 
 from trainer.errors import ConfigError
 from trainer.plan import OPTIMIZERS, PlanConfig
@@ -246,11 +246,12 @@ def options(cfg: TrainConfig) -> dict[str, Any]:
 # classes and, for the embedded set, which normalizes by its training images' statistics,
 # the training set's size. Evaluation and export take them where their command line does
 # not give them.
-CHECKPOINT_OPTIONS = ("amp", "amp_dtype", "ema", "fold_bn", "data.num_classes", "data.resolution", "data.train_size",
+CHECKPOINT_OPTIONS = ("amp", "amp_dtype", "ema", "fold_bn", "data.name", "data.root", "data.num_classes",
+                      "data.resolution", "data.train_size", "data.val_size", "data.val_resize", "data.tta",
                       *(f"model.{f.name}" for f in fields(ModelConfig)))
 # What one command asks, not what its run is: a resumed run takes every other option from
 # its checkpoint where its command line does not give it, so that it trains on as it began.
-_INVOCATION = ("mode", "device", "checkpoint", "trainer.resume", "trainer.stop_after_epoch", "dist.plan_ranks")
+_INVOCATION = ("mode", "checkpoint", "trainer.resume", "trainer.stop_after_epoch", "dist.plan_ranks")
 RUN_OPTIONS = tuple(key for key in options(TrainConfig()) if key not in _INVOCATION and not key.startswith("bench."))
 
 
@@ -265,12 +266,19 @@ def take_options(cfg: TrainConfig, written: dict[str, Any], keys, given: set[str
     return changed
 
 
+def given_changes(cfg: TrainConfig, written: dict[str, Any], keys, given: set[str]) -> dict[str, tuple]:
+    """Those of cfg's options among `keys` and `given` whose value is not the `written` one:
+    (written, cfg's)."""
+    return {key: (written[key], _get(cfg, key)) for key in sorted(given)
+            if key in keys and key in written and written[key] != _get(cfg, key)}
+
+
 def given_options(cfg: TrainConfig, named, defaults: TrainConfig) -> set[str]:
     """The options a command line gives: those it names (`named`: keys as it names them; a
-    group's choice, model=..., names all of the group's keys, and data.num_classes the
-    model's, which follows it) and those it changes from `defaults`, the options composed
+    group's choice, model=..., names all of the group's keys, and data=... or
+    data.num_classes the model's, which follows it) and those it changes from `defaults`, the options composed
     without it (as a preset, +experiment=..., does)."""
-    named = set(named) | ({"model.num_classes"} if "data.num_classes" in named else set())
+    named = set(named) | ({"model.num_classes"} if {"data", "data.num_classes"} & set(named) else set())
     before = options(defaults)
     return {key for key, value in options(cfg).items()
             if value != before.get(key) or any(key == name or key.startswith(name + ".") for name in named)}
@@ -281,10 +289,14 @@ PATHS = ("data.root", "data.decode_cache", "compile_cache", "checkpoint", "train
 
 
 def expand_paths(cfg):
-    """~ in cfg's PATHS made the home folder; cfg a TrainConfig or Hydra's DictConfig of one."""
+    """~ in cfg's PATHS made the home folder; cfg a TrainConfig or Hydra's DictConfig of one,
+    whose interpolations (${hydra:runtime.cwd}/data) are left to resolve later."""
     for key in PATHS:
         *parents, last = key.split(".")
-        setattr(reduce(getattr, parents, cfg), last, os.path.expanduser(_get(cfg, key)))
+        node = reduce(getattr, parents, cfg)
+        if not (isinstance(node, DictConfig) and OmegaConf.is_interpolation(node, last)):
+            setattr(node, last, os.path.expanduser(getattr(node, last)))
+    return cfg
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:

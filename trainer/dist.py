@@ -173,7 +173,8 @@ def launch_overrides(argv: list[str], env=os.environ) -> list[str]:
         return []
     out, args = [], given(argv)
     if "hydra.run.dir" not in args:
-        folder = resumed_folder(args["trainer.resume"]) if args.get("trainer.resume") else None
+        resume = os.path.expanduser(args.get("trainer.resume", "").strip("'\""))  # as Hydra and the config read it
+        folder = resumed_folder(resume) if resume else None
         out.append(f"hydra.run.dir={folder or f'outputs/torchrun/{job_id(env)}'}")
     rank = int(env["RANK"])
     if rank:  # rank 0 keeps run.log and .hydra/; the others log their warnings and errors
