@@ -226,10 +226,14 @@ _FRACTIONS = ("optimizer.momentum", "optimizer.muon_momentum", "optimizer.beta2"
 _CLOSED_FRACTIONS = ("data.host_decode",)
 
 
+def _parent(cfg, dotted: str):
+    """The node that holds a dotted key's option, and the option's name in it."""
+    *parents, last = dotted.split(".")
+    return reduce(getattr, parents, cfg), last
+
+
 def _get(cfg, dotted: str):
-    for part in dotted.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
+    return getattr(*_parent(cfg, dotted))
 
 
 def options(cfg: TrainConfig) -> dict[str, Any]:
@@ -261,8 +265,7 @@ def take_options(cfg: TrainConfig, written: dict[str, Any], keys, given: set[str
     changed = {key: value for key, value in written.items()
                if key in keys and key not in given and _get(cfg, key) != value}
     for key, value in changed.items():
-        *parents, last = key.split(".")
-        setattr(reduce(getattr, parents, cfg), last, value)
+        setattr(*_parent(cfg, key), value)
     return changed
 
 
@@ -276,8 +279,8 @@ def given_changes(cfg: TrainConfig, written: dict[str, Any], keys, given: set[st
 def given_options(cfg: TrainConfig, named, defaults: TrainConfig) -> set[str]:
     """The options a command line gives: those it names (`named`: keys as it names them; a
     group's choice, model=..., names all of the group's keys, and data=... or
-    data.num_classes the model's, which follows it) and those it changes from `defaults`, the options composed
-    without it (as a preset, +experiment=..., does)."""
+    data.num_classes the model's, which follows it) and those it changes from `defaults`,
+    the options composed without it (as a preset, +experiment=..., does)."""
     named = set(named) | ({"model.num_classes"} if {"data", "data.num_classes"} & set(named) else set())
     before = options(defaults)
     return {key for key, value in options(cfg).items()
@@ -292,8 +295,7 @@ def expand_paths(cfg):
     """~ in cfg's PATHS made the home folder; cfg a TrainConfig or Hydra's DictConfig of one,
     whose interpolations (${hydra:runtime.cwd}/data) are left to resolve later."""
     for key in PATHS:
-        *parents, last = key.split(".")
-        node = reduce(getattr, parents, cfg)
+        node, last = _parent(cfg, key)
         if not (isinstance(node, DictConfig) and OmegaConf.is_interpolation(node, last)):
             setattr(node, last, os.path.expanduser(getattr(node, last)))
     return cfg

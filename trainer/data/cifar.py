@@ -52,8 +52,9 @@ def python_batches(root: Path, members: dict[str, bytes] | None) -> dict[str, by
 
 
 def _keep(have: int, want: int, asked: int, split: str, root: Path) -> np.ndarray:
-    """`want` of the `have` images: data.<split>_size (`asked`) capped at CIFAR-10's split,
-    or all of it where 0 was asked for (the sizes are fixed before the files are read)."""
+    """`want` of the `have` images: data.<split>_size (`asked`, at most CIFAR-10's split:
+    dataset_sizes refuses more), or the whole split where 0 was asked for; the sizes are
+    fixed before the files are read, so an archive that holds fewer is refused here."""
     if want > have:
         wanted = (f"the data.{split}_size={asked} asked for" if asked
                   else f"CIFAR-10's full {want} that data.{split}_size=0 stands for")
