@@ -273,6 +273,49 @@ def test_a_resume_told_to_stop_where_it_resumes_is_refused(tmp_path):
                    Dist()).fit()["epochs"] == 3
 
 
+def test_a_torchrun_restart_after_the_stop_asked_for_trains_nothing_and_keeps_the_summary(tmp_path, monkeypatch,
+                                                                                         caplog):
+    """torchrun restarts a job that failed after writing the checkpoint trainer.stop_after_epoch
+    asked for (its resume is that checkpoint, its options the same): the job is done, not refused
+    on every restart."""
+    from trainer.loop import Trainer
+    train(tmp_path / "a", "trainer.epochs=3", "trainer.stop_after_epoch=2")
+    summary = (tmp_path / "a" / "summary.json").read_text()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    restart = config(*TINY, "trainer.epochs=3", "trainer.stop_after_epoch=2", f"trainer.resume={tmp_path / 'a'}")
+    with caplog.at_level("INFO", logger="trainer"):
+        assert Trainer(restart, tmp_path / "a", Dist()).fit()["epochs"] == 2
+    assert "torchrun restarted the job after epoch 2's checkpoint, where trainer.stop_after_epoch=2 stops it" \
+        in caplog.text
+    assert [p.name for p in saved(tmp_path / "a" / "checkpoints")] == ["epoch_0001.pt", "epoch_0002.pt"]
+    assert (tmp_path / "a" / "summary.json").read_text() == summary
+    with pytest.raises(ConfigError, match="trainer.stop_after_epoch=1: .* has trained 2 epoch"):  # not this stop's
+        Trainer(config(*TINY, "trainer.epochs=3", "trainer.stop_after_epoch=1", f"trainer.resume={tmp_path / 'a'}"),
+                tmp_path / "a", Dist())
+
+
+def test_an_interrupted_runs_summary_and_curves_are_of_its_newest_checkpoint(tmp_path, monkeypatch):
+    """Written at each checkpoint: a resume stopped part way leaves the records of the
+    checkpoint it would go on from, not those of the command before it."""
+    from trainer.loop import Trainer
+    train(tmp_path / "a", "trainer.epochs=4", "trainer.stop_after_epoch=1")
+    curves = (tmp_path / "a" / "curves.png").read_bytes()
+    train_epoch = Trainer.train_epoch
+
+    def interrupted_in_epoch_3(self, epoch):
+        if epoch == 2:
+            raise KeyboardInterrupt
+        return train_epoch(self, epoch)
+    monkeypatch.setattr(Trainer, "train_epoch", interrupted_in_epoch_3)
+    resumed = Trainer(config(*TINY, "trainer.epochs=4", f"trainer.resume={tmp_path / 'a'}"), tmp_path / "a", Dist())
+    with pytest.raises(KeyboardInterrupt):
+        resumed.fit()
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert summary["epochs"] == 2 and summary["steps"] == 32
+    assert summary["val_top1"] == resumed.history[1]["val_top1"] and len(resumed.history) == 2
+    assert (tmp_path / "a" / "curves.png").read_bytes() != curves
+
+
 def test_a_resume_on_another_schedule_length_says_where_the_learning_rate_moves(tmp_path, caplog):
     from trainer.loop import Trainer
     train(tmp_path / "a", "trainer.epochs=2", "trainer.stop_after_epoch=1")

@@ -28,7 +28,7 @@ from trainer.future import TensorFuture
 from trainer.metrics import MetricsLog, Stopwatch, plot_curves, write_summary
 from trainer.plan import Baseline as B
 from trainer.regions import Region as R
-from trainer.run_dir import RECORDS, other_run, saved
+from trainer.run_dir import RECORDS, other_run, restart_checkpoint, saved
 from trainer.schedule import lr_multipliers
 from trainer.planner import bn_eps, first_conv
 from trainer.setup import assemble, use_device
@@ -74,6 +74,7 @@ class Trainer:
         self.feeder = DoubleBuffer(self.arena, self.plans.tensors)
         self.meta = checkpoint.identity(cfg)
         self.start_epoch, self.history = 0, []
+        self.stopped = False  # a torchrun restart after the checkpoint trainer.stop_after_epoch asked for
         self.images, self.train_seconds, self.first_step_s = 0, 0.0, None  # of this run, as train_epoch adds them
         if t.resume:
             done = checkpoint.load(Path(t.resume), self.arena, self.meta, dist.rank, model_only=evaluate_only)
@@ -83,7 +84,7 @@ class Trainer:
                 self._check_whole_epochs(t.resume, done.get("steps"))
                 self._check_schedule(t.resume, done.get("schedule_steps"),
                                      done.get("steps", self.start_epoch * self.per_epoch))
-                self._check_stop(t.resume)
+                self.stopped = self._check_stop(t.resume)
             log.info("%s %s, saved after epoch %d", "evaluating" if evaluate_only else "resumed from", t.resume,
                      self.start_epoch)
         # claimed once the checkpoint is accepted: a refused start leaves the folder free for a corrected one;
@@ -91,8 +92,12 @@ class Trainer:
         self.metrics = self._records(run_dir, claim=not evaluate_only, enabled=dist.is_main and not evaluate_only)
         ready = self.clock()
         # a finished run resumed, or torchrun restarting a job after its last checkpoint
-        finished = not evaluate_only and self.start_epoch >= math.ceil(t.epochs)
-        if finished:
+        finished = not evaluate_only and (self.stopped or self.start_epoch >= math.ceil(t.epochs))
+        if self.stopped:
+            log.info("torchrun restarted the job after epoch %d's checkpoint, where trainer.stop_after_epoch=%d "
+                     "stops it: nothing left to train; continue with trainer.resume=%s", self.start_epoch,
+                     t.stop_after_epoch, run_dir)
+        elif finished:
             log.info("%s has trained %d epoch(s), all that trainer.epochs=%g asks for: nothing left to train; raise "
                      "trainer.epochs to train on, or evaluate it with mode=eval checkpoint=%s",
                      t.resume, self.start_epoch, t.epochs, t.resume)
@@ -230,7 +235,8 @@ class Trainer:
         # the last epoch's row, which the summary reports: the checkpoint's if nothing is left to train
         row, run_start, result_at = (self.history[-1] if self.history else {}), self._event(), None
         pending = None  # the previous epoch's row: read once this epoch is queued behind it
-        for epoch in range(self.start_epoch, epochs):
+        summary = None  # as of the newest checkpoint: a run always ends on one where it trained
+        for epoch in range(self.start_epoch, self.start_epoch if self.stopped else epochs):
             result = self.train_epoch(epoch)
             if pending is not None:
                 self._record(pending())
@@ -251,15 +257,21 @@ class Trainer:
             self._record(row)
             if saving:
                 self.save(epoch + 1)
+                summary = self._write_summary(row, run_start, result_at)
             if stopping and not last:
                 log.info("stopping after epoch %d as trainer.stop_after_epoch asks; continue with trainer.resume=%s "
                          "(which takes this run's options from its checkpoint)", epoch + 1, self.run_dir)
                 break
-        self.run_seconds = self._elapsed(run_start, result_at if result_at is not None else self._event())
         self.metrics.close()
-        summary = self.summary(row)
-        if self.dist.is_main and (self.start_epoch < epochs or not (self.run_dir / "summary.json").exists()):
-            write_summary(self.run_dir, summary)  # not over a finished run's own, with nothing trained
+        return summary if summary is not None else self._write_summary(row, run_start, result_at)
+
+    def _write_summary(self, row: dict, run_start, result_at) -> dict:
+        """The run's summary up to `row`, written with its curves at each checkpoint, so that
+        an interrupted run's records are those of the checkpoint it resumes from; not over a
+        finished run's own by a resume that trains nothing (its timings would be of nothing)."""
+        summary = self.summary(row, self._elapsed(run_start, result_at if result_at is not None else self._event()))
+        if self.dist.is_main and (self.images or not (self.run_dir / "summary.json").exists()):
+            write_summary(self.run_dir, summary)
             if self.history:
                 plot_curves(self.run_dir, self.history)
         return summary
@@ -283,7 +295,7 @@ class Trainer:
         checkpoint.save(folder / f"epoch_{epochs_done:04d}.pt", self.arena, meta, per_rank)
         checkpoint.prune(folder, self.cfg.trainer.keep_checkpoints)
 
-    def summary(self, last_row: dict) -> dict:
+    def summary(self, last_row: dict, run_seconds: float) -> dict:
         steps = int(self.arena.to_host_async(self.plans.main[B.STEP]).get()[0])
         return {**{k: last_row.get(k) for k in ("val_top1", "val_top5", "val_loss", "train_loss")},
                 "steps": steps, "epochs": round(steps / self.per_epoch, 3),  # 1.5 of trainer.epochs=1.5
@@ -291,7 +303,7 @@ class Trainer:
                 "train_s": round(self.train_seconds, 3), "setup_s": round(self.setup_s, 3),
                 "setup_parts_s": self.setup_parts,
                 # first training step to last evaluation result: the time to accuracy
-                "train_and_eval_s": round(self.run_seconds, 3),
+                "train_and_eval_s": round(run_seconds, 3),
                 "wall_s": round(self.clock(), 3), "time_to_first_step_s": self.first_step_s,
                 "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
                 "world_size": self.dist.world, "graphs": self.executor.use_graphs,
@@ -324,13 +336,17 @@ class Trainer:
                 + (f"continue from epoch {self.start_epoch - 1}'s checkpoint, if it is kept, in a folder of its own "
                    "(hydra.run.dir=...), or train from scratch" if self.start_epoch > 1 else "train from scratch"))
 
-    def _check_stop(self, path):
+    def _check_stop(self, path) -> bool:
         """trainer.stop_after_epoch at or before the epoch a run resumes after would stop it
-        only after one more epoch: the stop given again with the first command's options."""
+        only after one more epoch: the stop given again with the first command's options.
+        True where torchrun restarted the job after that stop's own checkpoint: it is done."""
         stop = self.cfg.trainer.stop_after_epoch
         if stop and stop <= self.start_epoch:
+            if stop == self.start_epoch and restart_checkpoint(self.run_dir):
+                return True
             raise ConfigError(f"trainer.stop_after_epoch={stop}: {path} has trained {self.start_epoch} epoch(s) "
                               f"already; give a later epoch to stop after, or leave it out to train to the end")
+        return False
 
     def _check_schedule(self, path, then: int | None, step: int):
         """Another trainer.epochs lays the schedule over another number of steps (`then`, the
