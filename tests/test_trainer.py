@@ -366,6 +366,34 @@ def test_a_run_folder_that_cannot_be_made_is_one_message(tmp_path, multirun):
                                   f"give one that can be written with {key}=...")
 
 
+@pytest.mark.parametrize("kind", ["run", "sweep"])
+def test_runs_started_in_the_same_second_take_folders_of_their_own(tmp_path, monkeypatch, kind):
+    """Hydra's timestamped folder is the same for runs started in the same second (a script
+    starting one per GPU): the later one takes the name with _2, where it wrote its .hydra/
+    over the first's and was then refused. A folder the command line names is its own."""
+    from hydra import compose, initialize_config_dir
+
+    from trainer.app import RunDirectory
+    from trainer.config import register
+    monkeypatch.chdir(tmp_path)
+    register()
+    start = RunDirectory().on_run_start if kind == "run" else RunDirectory().on_multirun_start
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        first, second, third = (compose("train", return_hydra_config=True) for _ in range(3))
+        for cfg in (second, third):  # started in the first one's second
+            cfg.hydra[kind].dir = first.hydra[kind].dir
+        for cfg in (first, second, third):
+            start(cfg)
+        named = compose("train", [], return_hydra_config=True)
+        named.hydra.overrides.hydra = [f"hydra.{kind}.dir={first.hydra[kind].dir}"]
+        named.hydra[kind].dir = first.hydra[kind].dir
+        start(named)
+    folder = first.hydra[kind].dir
+    assert (second.hydra[kind].dir, third.hydra[kind].dir, named.hydra[kind].dir) == \
+        (f"{folder}_2", f"{folder}_3", folder)
+    assert all((tmp_path / cfg.hydra[kind].dir).is_dir() for cfg in (first, second, third))
+
+
 def test_a_run_refused_its_folder_leaves_the_other_runs_command_line_there(tmp_path):
     """Refused before Hydra writes .hydra/ into the folder: the other run's command line,
     which a refused checkpoint's message points to, stays its own."""

@@ -1,4 +1,5 @@
 """The Hydra application: validate the configuration, then run the requested mode."""
+import itertools
 import json
 import logging
 import signal
@@ -140,19 +141,26 @@ class RunDirectory(Callback):
             except CheckpointError as e:
                 print(e, file=sys.stderr)
                 raise SystemExit(2)
+        named = "hydra.run.dir" in given(config.hydra.overrides.hydra)
         if config.mode == "train" and config.trainer.resume:
-            _continue_in_its_folder(config)
+            named = _continue_in_its_folder(config) or named
+        if not named:
+            _new_folder(config, "run")
+            return
         _refuse_another_runs(Path(config.hydra.run.dir), config)
         _make(config.hydra.run.dir, "hydra.run.dir")
 
     def on_multirun_start(self, config: DictConfig, **kwargs):
+        _validate_jobs(config)
+        if "hydra.sweep.dir" not in given(config.hydra.overrides.hydra):
+            _new_folder(config, "sweep")
+            return
         sweep = Path(config.hydra.sweep.dir)
         for job in sorted(sweep.iterdir()) if sweep.is_dir() else ():
             if job.is_dir() and other_run(job, ""):
                 print(f"{sweep} holds another sweep's jobs ({job.name}/ has its checkpoints or records): give this "
                       "sweep a folder of its own (hydra.sweep.dir=...)", file=sys.stderr)
                 raise SystemExit(2)
-        _validate_jobs(config)
         _make(config.hydra.sweep.dir, "hydra.sweep.dir")
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs):
@@ -202,20 +210,44 @@ def _validate_jobs(config: DictConfig):
             raise SystemExit(2)
 
 
-def _continue_in_its_folder(config: DictConfig):
+def _continue_in_its_folder(config: DictConfig) -> bool:
     """A resumed run goes on in the folder of the run it continues, unless hydra.run.dir
     names another (a branch), rather than in a new timestamped one that would hold only the
     rest of the run. Hydra writes the resumed command line beside the first one's, in
-    .hydra/resumed_N, so that the folder keeps how its run was started."""
+    .hydra/resumed_N, so that the folder keeps how its run was started. Whether the run goes
+    on in its run's folder."""
     folder = resumed_folder(config.trainer.resume)
+    moved = folder is not None and "hydra.run.dir" not in given(config.hydra.overrides.hydra)
     with open_dict(config):
-        if folder is not None and "hydra.run.dir" not in given(config.hydra.overrides.hydra):
+        if moved:
             config.hydra.run.dir = str(folder)
         run_dir = Path(config.hydra.run.dir)
         if config.hydra.output_subdir and (run_dir / config.hydra.output_subdir).is_dir():
             numbers = [int(p.name.rpartition("_")[2]) for p in run_dir.glob(f"{config.hydra.output_subdir}/resumed_*")
                        if p.name.rpartition("_")[2].isdigit()]
             config.hydra.output_subdir = f"{config.hydra.output_subdir}/resumed_{max(numbers, default=0) + 1}"
+    return moved
+
+
+def _new_folder(config: DictConfig, kind: str):
+    """The run's (kind "run") or sweep's folder from the configuration's pattern, which the
+    command line does not name, made now and this run's alone: the timestamped default is
+    the same for runs started in the same second (a script starting one per GPU), and the
+    later one would write its .hydra/ and log over the first's and then be refused. It
+    takes the folder with _2 (_3, ...) after the name instead."""
+    folder = config.hydra[kind].dir
+    for n in itertools.count(1):
+        path = folder if n == 1 else f"{folder}_{n}"
+        _make(Path(path).parent, f"hydra.{kind}.dir")
+        try:
+            Path(path).mkdir()
+        except FileExistsError:
+            continue
+        except OSError as e:
+            _cannot_make(path, e, f"hydra.{kind}.dir")
+        with open_dict(config):
+            config.hydra[kind].dir = path
+        return
 
 
 def _refuse_another_runs(folder: Path, config: DictConfig):
@@ -239,9 +271,13 @@ def _make(folder: str, key: str):
     try:
         Path(folder).mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        print(f"cannot make the run's folder {folder} ({e.strerror}); give one that can be written with "
-              f"{key}=...", file=sys.stderr)
-        raise SystemExit(2)
+        _cannot_make(folder, e, key)
+
+
+def _cannot_make(folder, e: OSError, key: str):
+    print(f"cannot make the run's folder {folder} ({e.strerror}); give one that can be written with "
+          f"{key}=...", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def _where_to_continue(cfg: DictConfig, run_dir: Path) -> str:

@@ -1,6 +1,6 @@
-"""Whose a run folder is. A training run must not write into another run's folder: Hydra's
-timestamped folders are the same for two runs started in the same second, and
-hydra.run.dir and torchrun's --rdzv_id may be given again. The run whose checkpoints and
+"""Whose a run folder is. A training run must not write into another run's folder:
+hydra.run.dir and torchrun's --rdzv_id may be given again (a timestamped folder is made
+new for each run, trainer.app._new_folder). The run whose checkpoints and
 records a folder holds continues in it: resumed from them, or restarted by torchrun's
 agent, which started before this job wrote anything there. No torch here: the Hydra
 callback that checks the folder runs before the configuration is read.
