@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from PIL import Image
 
 from tests.helpers import serve
 from trainer.config import DataConfig, TrainConfig, TrainerConfig
@@ -226,6 +227,37 @@ def test_too_few_images_for_the_configured_size(archive, split, size, wanted):
 def test_a_class_count_other_than_the_batches_ten_is_refused(batches):
     with pytest.raises(DataError, match="python batches, 10 classes, but data.num_classes=100; set data.num_classes=10"):
         build_sources(config(batches, num_classes=100), CPU, 0, 1, None)
+
+
+CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+
+
+def jpeg_tree(root: Path, test_classes: list[str]) -> Path:
+    """train/<class>/ with 4 and test/<class>/ with 2 JPEGs per class, red 25 x the class's place in CLASSES."""
+    for split, classes, per_class in (("train", CLASSES, 4), ("test", test_classes, 2)):
+        for k, name in enumerate(classes):
+            (root / split / name).mkdir(parents=True)
+            for i, image in enumerate(fake_images(per_class, 25 * k)):
+                Image.fromarray(image).save(root / split / name / f"{i}.jpg", quality=95)
+    return root
+
+
+@pytest.mark.parametrize("packed", ["tree", "archive"])
+def test_test_class_folders_named_otherwise_than_trains_are_refused(tmp_path, packed):
+    renamed = ["car" if c == "automobile" else c for c in CLASSES]
+    roots = [jpeg_tree(tmp_path / name, classes) for name, classes in (("same", CLASSES), ("renamed", renamed))]
+    if packed == "archive":
+        for i, root in enumerate(roots):
+            roots[i] = root.with_suffix(".tgz")
+            with tarfile.open(roots[i], "w:gz") as tar:
+                tar.add(root, arcname="cifar10")
+    _, val = build_sources(config(roots[0], val_batch=N_VAL), CPU, 0, 1, None)
+    red = pixels(epoch(val, 1, N_VAL)[0][0])[..., 0].mean((1, 2))
+    assert (red / 25).round().int().tolist() == val.labels.tolist()  # each test image has its class's label
+    # with test/car where train has automobile, sorted order would label car 2 and bird to frog one more
+    with pytest.raises(DataError, match=r"'s test and train splits differ in their class folders \(automobile, car\): "
+                                        r"both need the same ones, or the labels would not match$"):
+        build_sources(config(roots[1]), CPU, 0, 1, None)
 
 
 @pytest.mark.skipif(not ARCHIVE.exists(), reason=f"{ARCHIVE} is absent (the shared CIFAR-10 JPEG archive)")

@@ -93,12 +93,25 @@ def jpeg_list(root: Path, split: str, members: dict[str, bytes] | None):
     return names, labels, classes
 
 
-def from_jpegs(root: Path, split: str, n: int, asked: int, members: dict[str, bytes] | None,
-               d: DataConfig) -> tuple[np.ndarray, np.ndarray]:
-    names, labels, classes = jpeg_list(root, split, members)
+def jpeg_splits(root: Path, members: dict[str, bytes] | None, d: DataConfig) -> dict[str, tuple[list[str], np.ndarray]]:
+    """(names, labels) of each split's JPEGs, once both splits are found to have the same
+    data.num_classes class folders: a label is its folder's place in sorted order, so a test
+    folder named otherwise (test/car for train/automobile) would give it and those after it
+    another class's label."""
+    (names, labels, classes), (val_names, val_labels, val_classes) = (jpeg_list(root, s, members) for s in SPLIT_DIRS)
     if len(classes) != d.num_classes:
-        raise DataError(f"{root} has {len(classes)} {split} classes ({', '.join(classes[:12])}) but "
+        raise DataError(f"{root} has {len(classes)} train classes ({', '.join(classes[:12])}) but "
                         f"data.num_classes={d.num_classes}; set data.num_classes={len(classes)}")
+    if val_classes != classes:
+        differ = sorted(set(classes) ^ set(val_classes))
+        val_dir = val_names[0].split("/")[-3]  # test/ or val/, whichever the data set has
+        raise DataError(f"{root}'s {val_dir} and train splits differ in their class folders ({', '.join(differ[:8])}): "
+                        f"both need the same ones, or the labels would not match")
+    return {"train": (names, labels), "val": (val_names, val_labels)}
+
+
+def from_jpegs(root: Path, split: str, names: list[str], labels: np.ndarray, n: int, asked: int,
+               members: dict[str, bytes] | None, d: DataConfig) -> tuple[np.ndarray, np.ndarray]:
     keep = _keep(len(names), n, asked, split, root)
     names = [names[i] for i in keep]
     encoded = [np.frombuffer(members[f] if members else Path(f).read_bytes(), np.uint8) for f in names]
@@ -114,13 +127,14 @@ def decode(root: Path, raw: bytes | None, d: DataConfig, sizes: dict[str, int]) 
     if batches is not None and d.num_classes != BATCH_CLASSES:
         raise DataError(f"{root} holds CIFAR-10's python batches, {BATCH_CLASSES} classes, but "
                         f"data.num_classes={d.num_classes}; set data.num_classes={BATCH_CLASSES}")
+    listed = jpeg_splits(root, members, d) if batches is None else None
     out = {}
     for split, n in sizes.items():
         asked = d.train_size if split == "train" else d.val_size
         if batches is not None:
             out[f"{split}_images"], out[f"{split}_labels"] = from_batches(batches, split, n, asked, root)
         else:
-            out[f"{split}_images"], out[f"{split}_labels"] = from_jpegs(root, split, n, asked, members, d)
+            out[f"{split}_images"], out[f"{split}_labels"] = from_jpegs(root, split, *listed[split], n, asked, members, d)
     return out
 
 
