@@ -750,6 +750,16 @@ def test_a_path_given_with_a_tilde_is_under_the_home_folder(tmp_path):
     assert json.loads((tmp_path / "eval" / "summary.json").read_text())["checkpoint"] == str(tmp_path / "run")
 
 
+def test_relative_paths_are_kept_absolute_so_a_resume_elsewhere_reads_the_same_files(tmp_path, monkeypatch):
+    """A checkpoint keeps its run's options; a relative data.root taken by a resume or an
+    evaluation started in another folder would name another data set there, or none."""
+    monkeypatch.chdir(tmp_path)
+    cfg = config(*TINY, "trainer.resume=runs/a")
+    assert cfg.trainer.resume == str(tmp_path / "runs" / "a") and cfg.compile_cache == ""
+    (tmp_path / "data").mkdir()
+    assert config("data=imagefolder", "data.root=data/").data.root == str(tmp_path / "data")
+
+
 def test_eval_and_export_take_the_model_options_of_the_run_that_wrote_the_checkpoint(tmp_path):
     """Only the checkpoint on the command line: its model, resolution, amp, ema and fold_bn
     options come with it, and the data it was evaluated on; a model given there instead is
@@ -976,12 +986,17 @@ def test_cutout_beyond_the_resident_small_images_is_refused(overrides):
     (["checkpoint=/runs/a"], "checkpoint=/runs/a is read by mode=eval and mode=export only; to continue training "
                              "from it use trainer.resume=/runs/a"),
     (["trainer.lookahead=true"], "trainer.lookahead=true copies the EMA weights back .* ema=false keeps none"),
+    (["optimizer=sgd", "optimizer.momentum=0.9"], "optimizer.momentum=0.9 with optimizer=sgd, which keeps no momentum "
+                                                  "buffer and would ignore it: use optimizer=momentum"),
+    (["trainer.seed=99999999999999999999"], r"trainer.seed=99999999999999999999 .* must be under 2\*\*63"),
+    (["data.seed_offset=-1"], "data.seed_offset=-1 must not be negative"),
 ])
 def test_settings_that_would_be_ignored_or_misread_are_refused(overrides, message):
-    """Each would otherwise train without a word: a key added by + beside the schema's (a
-    misspelling Hydra's own advice leads to), a view count the evaluation does not know, a
-    learning rate turned negative, a checkpoint that training does not read, lookahead
-    without the EMA it reads."""
+    """Each would otherwise train without a word, or fail in a traceback: a key added by +
+    beside the schema's (a misspelling Hydra's own advice leads to), a view count the
+    evaluation does not know, a learning rate turned negative, a checkpoint that training
+    does not read, lookahead without the EMA it reads, momentum for the optimizer without
+    it, a seed the generators cannot take."""
     with pytest.raises(ConfigError, match=message):
         config(*overrides)
 

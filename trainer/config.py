@@ -67,7 +67,7 @@ class ScheduleConfig:
     name: str = "cosine"  # constant | cosine | linear | step | poly
     warmup_epochs: float = 0.0  # linear warm-up from warmup_start_fraction of the peak
     warmup_start_fraction: float = 0.0
-    final_fraction: float = 0.0  # lr at the end, as a fraction of the peak
+    final_fraction: float = 0.0  # where the decay ends, after the last step, as a fraction of the peak
     milestones: list[float] = field(default_factory=list)  # step: epochs where lr is multiplied by gamma
     gamma: float = 0.1
     power: float = 2.0  # poly
@@ -79,7 +79,7 @@ class DataConfig:
     root: str = ""  # a folder of class folders, or a .tgz archive of one (cifar10)
     num_classes: int = 10
     resolution: int = 32  # training crop and evaluation size
-    train_size: int = 0  # synthetic: examples to generate; others: 0 (all)
+    train_size: int = 0  # synthetic: examples to generate; others: examples to take from the split, 0 all
     val_size: int = 0
     crop_padding: int = 4  # small-image random crop: pad by this, crop back
     flip: str = "random"  # random | alternating | none
@@ -220,7 +220,7 @@ _NON_NEGATIVE = ("model.head_std", "optimizer.lr", "optimizer.muon_lr", "trainer
                  "trainer.lowres_epochs", "trainer.checkpoint_every",
                  "trainer.stop_after_epoch", "schedule.warmup_epochs", "data.train_size", "data.val_size",
                  "data.crop_padding", "data.cutout", "bench.warmup", "bench.profile", "optimizer.nominal_batch",
-                 "dist.plan_ranks")
+                 "dist.plan_ranks", "trainer.seed", "data.seed_offset")
 _FRACTIONS = ("optimizer.momentum", "optimizer.muon_momentum", "optimizer.beta2", "ema_decay", "trainer.label_smoothing",
               "schedule.final_fraction", "schedule.warmup_start_fraction", "data.min_crop_area")
 _CLOSED_FRACTIONS = ("data.host_decode",)
@@ -292,12 +292,14 @@ PATHS = ("data.root", "data.decode_cache", "compile_cache", "checkpoint", "train
 
 
 def expand_paths(cfg):
-    """~ in cfg's PATHS made the home folder; cfg a TrainConfig or Hydra's DictConfig of one,
-    whose interpolations (${hydra:runtime.cwd}/data) are left to resolve later."""
+    """cfg's PATHS made absolute, ~ the home folder; cfg a TrainConfig or Hydra's DictConfig
+    of one, whose interpolations (${hydra:runtime.cwd}/data) are left to resolve later. A
+    checkpoint keeps its run's options, and a resume or evaluation started in another folder
+    would read a relative data.root there: another data set, or none."""
     for key in PATHS:
         node, last = _parent(cfg, key)
-        if not (isinstance(node, DictConfig) and OmegaConf.is_interpolation(node, last)):
-            setattr(node, last, os.path.expanduser(getattr(node, last)))
+        if not (isinstance(node, DictConfig) and OmegaConf.is_interpolation(node, last)) and getattr(node, last):
+            setattr(node, last, os.path.abspath(os.path.expanduser(getattr(node, last))))
     return cfg
 
 
@@ -357,6 +359,13 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.data.cutout and cfg.data.name != "cifar10":
         raise ConfigError(f"data.cutout={cfg.data.cutout}: cutout is applied to small images kept on the device "
                           f"(data=cifar10, here data={cfg.data.name}); set data.cutout=0 or use data=cifar10")
+    if not cfg.trainer.seed + cfg.data.seed_offset < 2 ** 63:  # torch's and numpy's generators take 64-bit seeds
+        raise ConfigError(f"trainer.seed={cfg.trainer.seed} (plus data.seed_offset={cfg.data.seed_offset}) must be "
+                          f"under 2**63")
+    if cfg.optimizer.name == "sgd" and cfg.optimizer.momentum:
+        raise ConfigError(f"optimizer.momentum={cfg.optimizer.momentum} with optimizer=sgd, which keeps no momentum "
+                          f"buffer and would ignore it: use optimizer=momentum or optimizer=nesterov for momentum, or "
+                          f"leave optimizer.momentum out")
     if cfg.optimizer.name == "muon" and cfg.optimizer.lr == 0:
         raise ConfigError("optimizer=muon with optimizer.lr=0: lr is the schedule's peak, which Muon's step "
                           "follows too (optimizer.muon_lr at the peak); set a positive lr")
