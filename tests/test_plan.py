@@ -9,12 +9,15 @@ import pytest
 import torch
 from torch import nn
 
+from trainer.arena import Arena
+from trainer.config import compose_config
 from trainer.dtensor import slot_bytes
 from trainer.errors import PlanError
 from trainer.models import build_model
 from trainer.plan import Baseline, MemoryPlan, PlanConfig
 from trainer.planner import build_plans, classify
 from trainer.regions import Kind, Region
+from trainer.setup import make_plans
 from trainer.variants import Variant, derive_variants
 
 # -- the design, written out ------------------------------------------------------------
@@ -695,3 +698,16 @@ def test_fingerprint_is_stable():
 def test_fingerprint_changes_with_model_and_config(change):
     base = dict(optimizer="momentum", amp=True) if change.get("amp_dtype") else dict(optimizer="momentum")
     assert fingerprint(**{**base, **change}) != fingerprint(**base)
+
+
+# -- arena -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("override, region", [("trainer.epochs=1e12", "S_SCALAR_FP32"), ("data.resolution=1000000", "I_A_DATA")])
+def test_an_arena_too_large_for_the_device_names_its_size_and_what_sets_it(override, region):
+    """Over the 128 TiB of a process's address space: the CPU allocator refuses at once on any
+    machine, however much memory it has or overcommits."""
+    _, plans, _ = make_plans(compose_config([override]))
+    with pytest.raises(PlanError, match=rf"^the arena of [\d,]+ bytes \([\d,.]+ GiB\) cannot be allocated on cpu; "
+                                        rf"its largest regions: {region} .*trainer.epochs sets the size of the learning-rate "
+                                        rf"table .*mode=plan lists every region$"):
+        Arena(plans.main)

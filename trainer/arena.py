@@ -10,13 +10,28 @@ from trainer.regions import Region, storage_dtype
 HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
+def too_large(plan: MemoryPlan, device: torch.device) -> str:
+    """What to say when the device cannot hold the arena: where its bytes go, and the options that size them."""
+    largest = [r for r in sorted(Region, key=plan.region_bytes, reverse=True)[:3] if plan.region_bytes(r) * 100 >= plan.total_bytes]
+    shown = ", ".join(f"{r.name} {plan.region_bytes(r) / 2**30:,.1f} GiB" for r in largest)
+    return (f"the arena of {plan.total_bytes:,} bytes ({plan.total_bytes / 2**30:,.1f} GiB) cannot be allocated on {device}; "
+            f"its largest regions: {shown}. trainer.epochs sets the size of the learning-rate table (S_SCALAR_FP32, "
+            f"a value a step), data.resolution, trainer.batch_size and trainer.val_batch_size that of the inputs (I_*_DATA): "
+            f"lower them; mode=plan lists every region")
+
+
 class Arena:
     def __init__(self, plan: MemoryPlan, device: torch.device | str = "cpu"):
         self.plan = plan
         self.device = torch.device(device)
         self.half = HALF[plan.config.amp_dtype]
         # Zero-filled: slot padding must hold finite values, since range ops sweep it too.
-        self.storage = torch.zeros(plan.total_bytes, dtype=torch.uint8, device=self.device)
+        try:
+            self.storage = torch.zeros(plan.total_bytes, dtype=torch.uint8, device=self.device)
+        except RuntimeError as e:  # the CPU allocator's refusal is a plain RuntimeError
+            if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
+                raise
+            raise PlanError(too_large(plan, self.device)) from None
 
     def torch_dtype(self, dtype: str) -> torch.dtype:
         return {"fp32": torch.float32, "fp16": self.half, "int32": torch.int32, "int8": torch.int8}[dtype]
