@@ -11,6 +11,8 @@ from torch import nn
 
 from trainer.arena import Arena
 from trainer.config import compose_config
+from trainer.data import build_sources
+from trainer.dist import Dist
 from trainer.dtensor import slot_bytes
 from trainer.errors import PlanError
 from trainer.models import build_model
@@ -711,3 +713,31 @@ def test_an_arena_too_large_for_the_device_names_its_size_and_what_sets_it(overr
                                         rf"its largest regions: {region} .*trainer.epochs sets the size of the learning-rate "
                                         rf"table .*mode=plan lists every region$"):
         Arena(plans.main)
+
+
+# -- the evaluation batch ----------------------------------------------------------------
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_an_evaluation_batch_larger_than_a_ranks_share_of_the_set_is_planned_as_that_share(world):
+    """Such a batch never runs: the share is served as one batch, which val_last ran while the
+    arena held inputs for val_base's (5000x16 against 1024x16 on one rank)."""
+    cfg = compose_config(["trainer.val_batch_size=5000"])
+    _, val = build_sources(cfg, torch.device("cpu"), 0, world, None)
+    share = -(-1024 // world)  # the synthetic set's 1024 evaluation images, split among the ranks
+    assert val.size == share
+    larger, whole = (make_plans(compose_config([f"trainer.val_batch_size={n}"]), world)[1] for n in (5000, share))
+    assert [(v.name, v.batch) for v in larger.variants if not v.train] == [("val_base", share)]
+    assert larger.main.total_bytes == whole.main.total_bytes
+
+
+def test_an_evaluation_batch_larger_than_the_set_evaluates_as_one_of_the_set(tmp_path):
+    from trainer.loop import Trainer
+    results = []
+    for val_batch in (100, 5000):
+        cfg = compose_config(["data.train_size=256", "data.val_size=100", "trainer.batch_size=32", "trainer.epochs=1",
+                              f"trainer.val_batch_size={val_batch}"])
+        trainer = Trainer(cfg, tmp_path / str(val_batch), Dist())
+        assert [(v.name, v.batch) for v in trainer.engine.plans.variants if not v.train] == [("val_base", 100)]
+        summary = trainer.fit()
+        results.append((summary["val_loss"], summary["val_top1"]))
+    assert results[0] == results[1] and 0 < results[0][1] <= 1

@@ -99,7 +99,7 @@ class DataConfig:
 class TrainerConfig:
     epochs: float = 8.0  # fractional: the last epoch stops part way
     batch_size: int = 128  # per GPU
-    val_batch_size: int = 0  # 0: batch_size
+    val_batch_size: int = 0  # 0: batch_size; one larger than a rank's share of the evaluation set is that share, one batch
     drop_last: bool = True
     seed: int = 0
     label_smoothing: float = 0.0

@@ -71,7 +71,9 @@ def make_variants(cfg: TrainConfig, world: int = 1) -> tuple[list[Variant], int]
         raise ConfigError(f"trainer.batch_size={t.batch_size} is larger than the {per_rank_train} training "
                           f"examples per rank; lower it or set trainer.drop_last=false")
     per_epoch = steps_per_epoch(per_rank_train, t.batch_size, t.drop_last)
-    variants = derive_variants(per_rank_train, per_rank_val, t.batch_size, t.val_batch_size or t.batch_size,
+    # a larger evaluation batch never runs (the rank's share is one batch): planning its inputs only wastes the arena
+    val_batch = min(t.val_batch_size or t.batch_size, per_rank_val)
+    variants = derive_variants(per_rank_train, per_rank_val, t.batch_size, val_batch,
                                cfg.data.resolution, t.lowres_resolution, t.lowres_epochs, t.drop_last,
                                late_freeze=any(freeze_steps(cfg, per_epoch).values()))
     return variants, per_epoch
