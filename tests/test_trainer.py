@@ -219,7 +219,7 @@ def test_a_new_run_in_another_runs_folder_is_refused_and_leaves_it_as_it_was(tmp
         Trainer(config(*TINY, "trainer.epochs=1"), tmp_path / "a", Dist())
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "metrics.jsonl").write_text("")  # a run that has saved no checkpoint yet
-    with pytest.raises(ConfigError, match="holds another run's records"):
+    with pytest.raises(ConfigError, match="holds another run's results"):
         Trainer(config(*TINY, "trainer.epochs=1"), tmp_path / "b", Dist())
     assert {p: p.read_bytes() for p in (tmp_path / "a").rglob("*") if p.is_file()} == before
 
@@ -419,11 +419,26 @@ def test_evaluations_and_sweeps_keep_out_of_another_runs_folder(tmp_path, mode):
                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.strip() == (
-        f"{other} holds a training run's checkpoints or records: mode=eval would write its own files over that "
-        "run's; give it a folder of its own (hydra.run.dir=...)" if mode == "eval" else
+        f"{other} holds another run's checkpoints or results: mode=eval would write its own files over them; give "
+        "it a folder of its own (hydra.run.dir=...)" if mode == "eval" else
         f"{other.parent} holds another sweep's jobs (0/ has its checkpoints or records): give this sweep a folder "
         "of its own (hydra.sweep.dir=...)")
     assert list(other.iterdir()) == [other / "checkpoints"]  # nothing written beside them
+
+
+@pytest.mark.parametrize("first, then", [("eval", "eval"), ("export", "export"), ("export", "train"),
+                                         ("plan", "eval")])
+def test_a_run_keeps_out_of_a_folder_with_another_runs_results(tmp_path, first, then):
+    """An evaluation's summary.json, an export's weights, a plan: a second run given the same
+    folder would write its own over them (another checkpoint's weights, without a word)."""
+    train(tmp_path / "run", "trainer.epochs=1")
+    mode = {"eval": ["mode=eval", f"checkpoint={tmp_path / 'run'}"], "plan": ["mode=plan"],
+            "export": ["mode=export", f"checkpoint={tmp_path / 'run'}"], "train": [*TINY, "trainer.epochs=1"]}
+    assert run(tmp_path / "out", *mode[first]).returncode == 0
+    kept = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir() if p.is_file()}
+    out = run(tmp_path / "out", *mode[then])
+    assert out.returncode == 2 and f"{tmp_path / 'out'} holds another run's" in out.stderr, out.stderr
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir() if p.is_file()} == kept
 
 
 def test_whose_a_run_folder_is(tmp_path, monkeypatch):
@@ -436,19 +451,19 @@ def test_whose_a_run_folder_is(tmp_path, monkeypatch):
     fresh.mkdir()
     assert other_run(fresh, "") is None and other_run(fresh, str(mine)) is None
     (mine / "metrics.jsonl").write_text("")
-    assert "holds another run's records" in other_run(mine, "")
+    assert "holds another run's results" in other_run(mine, "")
     (mine / "checkpoints" / "epoch_0001.pt").write_bytes(b"")
     for resume in (mine, mine / "checkpoints", mine / "checkpoints" / "epoch_0001.pt"):
         assert other_run(mine, str(resume)) is None
     (fresh / "metrics.jsonl").write_text("")
-    assert "holds another run's records" in other_run(fresh, str(mine))  # resumed, but into a third run's folder
+    assert "holds another run's results" in other_run(fresh, str(mine))  # resumed, but into a third run's folder
     assert restart_checkpoint(mine) == ""  # not restarted
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert restart_checkpoint(mine) == str(mine)  # written after this process's parent started
     for old in (mine / "checkpoints" / "epoch_0001.pt", fresh / "metrics.jsonl"):
         os.utime(old, (0, 0))  # written before it: another job's
     assert restart_checkpoint(mine) == "" and "holds another run's checkpoints" in other_run(mine, "")
-    assert "holds another run's records" in other_run(fresh, "")
+    assert "holds another run's results" in other_run(fresh, "")
     (fresh / "metrics.jsonl").touch()  # this job's records, before its first checkpoint
     assert other_run(fresh, "") is None
 
@@ -574,8 +589,8 @@ def test_a_sweep_with_a_bad_value_in_a_late_job_runs_no_job(tmp_path):
 @pytest.mark.parametrize("args, said", [
     (["-m", "hydra.sweep.dir=sweep", "optimizer=sgd,adamm"],
      "sweep job 1 (optimizer=adamm): In 'train': Could not find 'optimizer/adamm'\n\nAvailable options in 'optimizer':"),
-    (["hydra.run.dir=run", "trainer.resume=none"], "no checkpoint at none: give a checkpoint file, or a run directory"),
-    (["hydra.run.dir=run", "mode=eval", "checkpoint=none"], "no checkpoint at none: give a checkpoint file"),
+    (["hydra.run.dir=run", "trainer.resume=none"], "no checkpoint at TMP/none: give a checkpoint file, or a run directory"),
+    (["hydra.run.dir=run", "mode=eval", "checkpoint=none"], "no checkpoint at TMP/none: give a checkpoint file"),
     (["hydra.run.dir="], "hydra.run.dir is empty: give the run a folder (hydra.run.dir=...)"),
 ], ids=["a sweep's misspelled option", "resume", "eval", "empty run folder"])
 def test_a_command_that_cannot_start_says_why_and_leaves_no_folder(tmp_path, args, said):
@@ -583,7 +598,7 @@ def test_a_command_that_cannot_start_says_why_and_leaves_no_folder(tmp_path, arg
     a sweep's multirun.yaml, and without a warning from Hydra's callback machinery."""
     out = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], capture_output=True, text=True, cwd=tmp_path,
                          timeout=300)
-    assert out.returncode == 2 and out.stderr.startswith(said), out.stderr
+    assert out.returncode == 2 and out.stderr.startswith(said.replace("TMP", str(tmp_path))), out.stderr
     assert list(tmp_path.iterdir()) == []
 
 

@@ -252,12 +252,12 @@ def _new_folder(config: DictConfig, kind: str):
 
 def _refuse_another_runs(folder: Path, config: DictConfig):
     """A training run continues only its own run in a folder; the other modes write their
-    own summary.json and .hydra/ and so keep out of a training run's folder."""
+    own results and .hydra/ and so keep out of a folder with another run's."""
     if config.mode == "train":
         why = other_run(folder, restart_checkpoint(folder) or config.trainer.resume)
     else:
-        why = other_run(folder, "") and (f"{folder} holds a training run's checkpoints or records: mode={config.mode} "
-                                         "would write its own files over that run's; give it a folder of its own "
+        why = other_run(folder, "") and (f"{folder} holds another run's checkpoints or results: mode={config.mode} "
+                                         "would write its own files over them; give it a folder of its own "
                                          "(hydra.run.dir=...)")
     if why:
         print(why, file=sys.stderr)

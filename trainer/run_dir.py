@@ -12,6 +12,9 @@ from pathlib import Path
 from trainer.errors import CheckpointError
 
 RECORDS = "metrics.jsonl"
+# what a run of each mode writes beside its log and .hydra/: training (metrics, plan, summary),
+# evaluation (summary), export (weights), plan and bench
+RESULTS = (RECORDS, "summary.json", "plan.json", "model_state_dict.pt", "bench.md")
 CHECKPOINT_NAME = re.compile(r"epoch_(\d+)\.pt")
 
 
@@ -88,11 +91,13 @@ def resumed_folder(resume: str) -> Path | None:
 
 
 def other_run(run_dir: Path, resume: str) -> str | None:
-    """Why a training run resuming from `resume` ('' for a new one) may not write into
-    run_dir, or None: the folder holds the checkpoints or records of another run."""
+    """Why a run resuming from `resume` ('' for a new one, or a mode other than training) may
+    not write into run_dir, or None: the folder holds the checkpoints or results of another
+    run, which it would write its own over."""
     run_dir = Path(run_dir)
     found, records = saved(run_dir / "checkpoints"), run_dir / RECORDS
-    if not (found or records.exists()):
+    written = [name for name in RESULTS if (run_dir / name).exists()]
+    if not (found or written):
         return None
     if resume and run_folder(resume) == run_dir.resolve():  # the run continues in its own folder
         if found and Path(resume).is_file() and Path(resume).resolve() != found[-1].resolve():
@@ -100,9 +105,10 @@ def other_run(run_dir: Path, resume: str) -> str | None:
                     f"{run_dir} would write over the newer ones; give this branch a folder of its own "
                     f"(hydra.run.dir=...), or continue from the newest with trainer.resume={run_dir}")
         return None
-    if restarted() and not found and _this_jobs(records):
+    if restarted() and not found and records.exists() and _this_jobs(records):
         return None  # torchrun restarted this job before its first checkpoint
     if found:
         return (f"{run_dir} holds another run's checkpoints ({found[-1].name}): continue that run with "
                 f"trainer.resume={run_dir}, or give this one a folder of its own (hydra.run.dir=...)")
-    return f"{run_dir} holds another run's records ({RECORDS}): give this run a folder of its own (hydra.run.dir=...)"
+    return (f"{run_dir} holds another run's results ({', '.join(written)}), and no checkpoint to continue from: "
+            "give this run a folder of its own (hydra.run.dir=...), or remove them to start over there")
