@@ -13,7 +13,7 @@ from trainer.arena import Arena
 from trainer.binding import bind
 from trainer.compile_cache import use_compile_cache, use_torch_ptxas
 from trainer.config import TrainConfig, compile_options, freeze_epochs, plan_config
-from trainer.data import dataset_sizes
+from trainer.data import dataset_sizes, val_batch
 from trainer.errors import ConfigError
 from trainer.executor import Executor
 from trainer.feeder import BUFFERS
@@ -71,9 +71,7 @@ def make_variants(cfg: TrainConfig, world: int = 1) -> tuple[list[Variant], int]
         raise ConfigError(f"trainer.batch_size={t.batch_size} is larger than the {per_rank_train} training "
                           f"examples per rank; lower it or set trainer.drop_last=false")
     per_epoch = steps_per_epoch(per_rank_train, t.batch_size, t.drop_last)
-    # a larger evaluation batch never runs (the rank's share is one batch): planning its inputs only wastes the arena
-    val_batch = min(t.val_batch_size or t.batch_size, per_rank_val)
-    variants = derive_variants(per_rank_train, per_rank_val, t.batch_size, val_batch,
+    variants = derive_variants(per_rank_train, per_rank_val, t.batch_size, val_batch(t, val_size, world),
                                cfg.data.resolution, t.lowres_resolution, t.lowres_epochs, t.drop_last,
                                late_freeze=any(freeze_steps(cfg, per_epoch).values()))
     return variants, per_epoch

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.config import DataConfig, TrainConfig
+from trainer.config import DataConfig, TrainConfig, TrainerConfig
 from trainer.data.jpeg_files import find_split, list_split
 from trainer.data.source import Shard, Source
 from trainer.errors import ConfigError
@@ -54,8 +54,15 @@ def build_sources(cfg: TrainConfig, device: torch.device, rank: int, world: int,
         d = dataclasses.replace(d, threads=max(1, (os.cpu_count() or 1) // local))
     train_size, val_size = dataset_sizes(d)
     train = Shard(train_size, t.batch_size, rank, world, train=True, drop_last=t.drop_last)
-    val = Shard(val_size, t.val_batch_size or t.batch_size, rank, world, train=False)
+    val = Shard(val_size, val_batch(t, val_size, world), rank, world, train=False)
     return source_module(d).sources(d, train, val, t.seed + d.seed_offset, device, half)
+
+
+def val_batch(t: TrainerConfig, val_size: int, world: int) -> int:
+    """The evaluation batch: trainer.val_batch_size (0: batch_size), at most a rank's share of
+    the set, which is then one batch: a larger one never runs, and planning its inputs
+    would only take arena."""
+    return min(t.val_batch_size or t.batch_size, -(-val_size // world))
 
 
 def source_module(d: DataConfig):
