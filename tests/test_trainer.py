@@ -316,6 +316,40 @@ def test_an_interrupted_runs_summary_and_curves_are_of_its_newest_checkpoint(tmp
     assert (tmp_path / "a" / "curves.png").read_bytes() != curves
 
 
+def test_an_interrupted_torchrun_job_is_told_to_continue_under_torchrun_with_its_processes(tmp_path, monkeypatch):
+    """A resume in one process of a two-process job's checkpoint is refused (its epochs have
+    half the steps), so the advice names the launch as well as the folder."""
+    from omegaconf import OmegaConf
+
+    from trainer.app import _where_to_continue
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "epoch_0003.pt").write_bytes(b"")
+    cfg = OmegaConf.create({"trainer": {"resume": ""}})
+    assert _where_to_continue(cfg, tmp_path) == (f"; continue from epoch_0003.pt with trainer.resume={tmp_path} "
+                                                 "(which takes this run's options from it)")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert _where_to_continue(cfg, tmp_path) == (f"; continue from epoch_0003.pt with trainer.resume={tmp_path}, under "
+                                                 "torchrun with 2 processes as this job (which takes this run's "
+                                                 "options from it)")
+
+
+@pytest.mark.parametrize("overrides, said", [
+    (["schedule=poly"], "schedule.warmup_epochs=5 is not shorter than trainer.epochs=2: the learning rate climbs "
+                        "through the whole run and never reaches its peak"),
+    (["schedule=step"], r"schedule.milestones=\[30.0, 60.0, 80.0\] fall after the run's end \(trainer.epochs=2\): the "
+                        "learning rate stays at its peak"),
+    (["schedule=step", "schedule.milestones=[1,30]"], None),
+    (["schedule=cosine"], None),
+])
+def test_a_schedule_set_for_a_longer_run_is_said_before_training(tmp_path, caplog, overrides, said):
+    """The schedule presets' warm-up and milestones are set for long runs; in a shorter one the
+    learning rate never reaches its peak, or never moves from it."""
+    from trainer.loop import Trainer
+    with caplog.at_level("WARNING", logger="trainer"):
+        Trainer(config(*TINY, "trainer.epochs=2", *overrides), tmp_path, Dist())
+    assert re.search(said, caplog.text) if said else "schedule." not in caplog.text, caplog.text
+
+
 def test_a_resume_on_another_schedule_length_says_where_the_learning_rate_moves(tmp_path, caplog):
     from trainer.loop import Trainer
     train(tmp_path / "a", "trainer.epochs=2", "trainer.stop_after_epoch=1")

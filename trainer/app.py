@@ -19,7 +19,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from trainer.config import (CHECKPOINT_OPTIONS, RUN_OPTIONS, TrainConfig, expand_paths, given_changes, given_options,
                             take_options, validate)
 from trainer.errors import CheckpointError, ConfigError, TrainerError
-from trainer.run_dir import find_checkpoint, given, other_run, restart_checkpoint, restarted, resumed_folder, saved
+from trainer.run_dir import (continue_with, find_checkpoint, given, other_run, restart_checkpoint, restarted,
+                             resumed_folder, saved)
 
 log = logging.getLogger("trainer")
 
@@ -283,12 +284,13 @@ def _cannot_make(folder, e: OSError, key: str):
 def _where_to_continue(cfg: DictConfig, run_dir: Path) -> str:
     """How an interrupted training run goes on: from its newest checkpoint, which keeps the
     run's options, or from the one it resumed if it wrote none."""
-    found = saved(run_dir / "checkpoints")
+    from trainer.dist import from_env
+    found, world = saved(run_dir / "checkpoints"), from_env().world
     if found:
-        return (f"; continue from {found[-1].name} with trainer.resume={run_dir} (which takes this run's options "
-                "from it)")
+        return (f"; continue from {found[-1].name} with {continue_with(run_dir, world)} (which takes this run's "
+                "options from it)")
     if cfg.trainer.resume:
-        return f" before its first checkpoint; continue again from trainer.resume={cfg.trainer.resume}"
+        return f" before its first checkpoint; continue again from {continue_with(cfg.trainer.resume, world)}"
     return " before the first checkpoint: nothing to continue from"
 
 

@@ -28,8 +28,8 @@ from trainer.future import TensorFuture
 from trainer.metrics import MetricsLog, Stopwatch, plot_curves, write_summary
 from trainer.plan import Baseline as B
 from trainer.regions import Region as R
-from trainer.run_dir import RECORDS, other_run, restart_checkpoint, saved
-from trainer.schedule import lr_multipliers
+from trainer.run_dir import RECORDS, continue_with, other_run, restart_checkpoint, saved
+from trainer.schedule import lr_multipliers, unreached
 from trainer.planner import bn_eps, first_conv
 from trainer.setup import assemble, use_device
 from trainer.whitening import whiten_first_conv
@@ -71,6 +71,8 @@ class Trainer:
         self.model, self.plans, self.arena, self.ops, self.executor = e.model, e.plans, e.arena, e.ops, e.executor
         self.per_epoch = e.per_epoch
         self.total_steps = self.plans.main.config.schedule_steps
+        for why in [] if evaluate_only else unreached(cfg.schedule, t.epochs):
+            log.warning("%s", why)
         self.feeder = DoubleBuffer(self.arena, self.plans.tensors)
         self.meta = checkpoint.identity(cfg)
         self.start_epoch, self.history = 0, []
@@ -95,8 +97,8 @@ class Trainer:
         finished = not evaluate_only and (self.stopped or self.start_epoch >= math.ceil(t.epochs))
         if self.stopped:
             log.info("torchrun restarted the job after epoch %d's checkpoint, where trainer.stop_after_epoch=%d "
-                     "stops it: nothing left to train; continue with trainer.resume=%s", self.start_epoch,
-                     t.stop_after_epoch, run_dir)
+                     "stops it: nothing left to train; continue with %s", self.start_epoch, t.stop_after_epoch,
+                     continue_with(run_dir, dist.world))
         elif finished:
             log.info("%s has trained %d epoch(s), all that trainer.epochs=%g asks for: nothing left to train; raise "
                      "trainer.epochs to train on, or evaluate it with mode=eval checkpoint=%s",
@@ -259,8 +261,8 @@ class Trainer:
                 self.save(epoch + 1)
                 summary = self._write_summary(row, run_start, result_at)
             if stopping and not last:
-                log.info("stopping after epoch %d as trainer.stop_after_epoch asks; continue with trainer.resume=%s "
-                         "(which takes this run's options from its checkpoint)", epoch + 1, self.run_dir)
+                log.info("stopping after epoch %d as trainer.stop_after_epoch asks; continue with %s (which takes "
+                         "this run's options from its checkpoint)", epoch + 1, continue_with(self.run_dir, self.dist.world))
                 break
         self.metrics.close()
         return summary if summary is not None else self._write_summary(row, run_start, result_at)

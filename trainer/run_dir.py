@@ -71,6 +71,13 @@ def restart_checkpoint(run_dir: Path) -> str:
     return str(run_dir) if found and _this_jobs(found[-1]) else ""
 
 
+def continue_with(run_dir: Path, world: int) -> str:
+    """How a run of `world` processes goes on from its folder's newest checkpoint: under
+    torchrun, with as many (a resume of another number is refused: the epochs' steps and
+    the data's split among ranks depend on it)."""
+    return f"trainer.resume={run_dir}" + (f", under torchrun with {world} processes as this job" if world > 1 else "")
+
+
 def run_folder(checkpoint: str) -> Path:
     """The run folder of a checkpoint path: a file in checkpoints/, that folder, or the run's."""
     path = Path(checkpoint)
