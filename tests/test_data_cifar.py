@@ -255,7 +255,7 @@ def test_test_class_folders_named_otherwise_than_trains_are_refused(tmp_path, pa
     red = pixels(epoch(val, 1, N_VAL)[0][0])[..., 0].mean((1, 2))
     assert (red / 25).round().int().tolist() == val.labels.tolist()  # each test image has its class's label
     # with test/car where train has automobile, sorted order would label car 2 and bird to frog one more
-    with pytest.raises(DataError, match=r"'s test and train splits differ in their class folders \(automobile, car\): "
+    with pytest.raises(DataError, match=r"'s test and .*'s train differ in their class folders \(automobile, car\): "
                                         r"both need the same ones, or the labels would not match$"):
         build_sources(config(roots[1]), CPU, 0, 1, None)
 

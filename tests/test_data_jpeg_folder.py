@@ -127,7 +127,7 @@ def test_peek(tree):
 
 
 def test_class_count_must_match(tree):
-    with pytest.raises(DataError, match=r"has 3 class folders but data.num_classes=1000; set data.num_classes=3"):
+    with pytest.raises(DataError, match=r"has 3 class folders \(apple, mango, zebra\) but data.num_classes=1000; set data.num_classes=3"):
         build_sources(config(tree, num_classes=1000), CPU, 0, 1, None)
 
 

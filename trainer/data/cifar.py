@@ -17,7 +17,7 @@ import torch
 from trainer.config import DataConfig
 from trainer.data import decoded_cache
 from trainer.data.dali import decode_all
-from trainer.data.jpeg_files import IMAGE_SUFFIXES, check_bytes, find_split, list_split
+from trainer.data.jpeg_files import IMAGE_SUFFIXES, check_bytes, find_split, list_split, same_classes
 from trainer.data.resident import ResidentSource
 from trainer.data.source import Shard, subset
 from trainer.data.tar import tar_files
@@ -95,18 +95,10 @@ def jpeg_list(root: Path, split: str, members: dict[str, bytes] | None):
 
 def jpeg_splits(root: Path, members: dict[str, bytes] | None, d: DataConfig) -> dict[str, tuple[list[str], np.ndarray]]:
     """(names, labels) of each split's JPEGs, once both splits are found to have the same
-    data.num_classes class folders: a label is its folder's place in sorted order, so a test
-    folder named otherwise (test/car for train/automobile) would give it and those after it
-    another class's label."""
+    data.num_classes class folders."""
     (names, labels, classes), (val_names, val_labels, val_classes) = (jpeg_list(root, s, members) for s in SPLIT_DIRS)
-    if len(classes) != d.num_classes:
-        raise DataError(f"{root} has {len(classes)} train classes ({', '.join(classes[:12])}) but "
-                        f"data.num_classes={d.num_classes}; set data.num_classes={len(classes)}")
-    if val_classes != classes:
-        differ = sorted(set(classes) ^ set(val_classes))
-        val_dir = val_names[0].split("/")[-3]  # test/ or val/, whichever the data set has
-        raise DataError(f"{root}'s {val_dir} and train splits differ in their class folders ({', '.join(differ[:8])}): "
-                        f"both need the same ones, or the labels would not match")
+    val_dir = val_names[0].split("/")[-3]  # test/ or val/, whichever the data set has
+    same_classes(f"{root}'s train", classes, f"{root}'s {val_dir}", val_classes, d.num_classes)
     return {"train": (names, labels), "val": (val_names, val_labels)}
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 log = logging.getLogger("trainer")
-FORMAT = 1  # raised whenever what an entry holds, or how it was decoded, changes
+FORMAT = 2  # raised whenever what an entry holds, or how it was decoded, changes
 
 
 def entry(cache_dir: str, archive: bytes, *taken) -> Path:

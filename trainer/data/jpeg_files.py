@@ -50,6 +50,19 @@ def list_split(folder: Path) -> tuple[list[str], np.ndarray, list[str]]:
     return files, np.array(labels, np.int32), classes
 
 
+def same_classes(train: str, classes: list[str], val: str, val_classes: list[str], num_classes: int):
+    """A label is its class folder's place in sorted order: the evaluation split needs the
+    training split's folders (test/car for train/automobile would give it and those after
+    it another class's label), and data.num_classes of them."""
+    if len(classes) != num_classes:
+        raise DataError(f"{train} has {len(classes)} class folders ({', '.join(classes[:12])}) but data.num_classes="
+                        f"{num_classes}; set data.num_classes={len(classes)}")
+    if val_classes != classes:
+        differ = sorted(set(classes) ^ set(val_classes))
+        raise DataError(f"{val} and {train} differ in their class folders ({', '.join(differ[:8])}): both need the "
+                        f"same ones, or the labels would not match")
+
+
 def jpeg_problem(head: bytes, tail: bytes) -> str | None:
     """What is wrong with a JPEG or PNG file that starts with `head` (its first 8 bytes) and
     ends with `tail`, if anything a look at its ends can tell (a truncated file has lost its

@@ -33,7 +33,7 @@ from nvidia.dali import fn, types
 
 from trainer.config import DataConfig
 from trainer.data.dali import DaliSource
-from trainer.data.jpeg_files import check_files, decode_error, find_split, list_split
+from trainer.data.jpeg_files import check_files, decode_error, find_split, list_split, same_classes
 from trainer.data.source import Shard, resized_crop_draws, subset
 from trainer.errors import DataError
 
@@ -160,13 +160,7 @@ def sources(d: DataConfig, train: Shard, val: Shard, seed: int, device: torch.de
     root = Path(d.root)
     (train_files, train_labels, classes), (val_files, val_labels, val_classes) = (
         list_split(find_split(root, (split,))) for split in ("train", "val"))
-    if len(classes) != d.num_classes:
-        raise DataError(f"{root / 'train'} has {len(classes)} class folders but data.num_classes="
-                        f"{d.num_classes}; set data.num_classes={len(classes)}")
-    if val_classes != classes:
-        differ = sorted(set(classes) ^ set(val_classes))
-        raise DataError(f"{root / 'val'} and {root / 'train'} differ in their class folders "
-                        f"({', '.join(differ[:8])}): both need the same ones, or the labels would not match")
+    same_classes(str(root / "train"), classes, str(root / "val"), val_classes, d.num_classes)
     train_keep, val_keep = subset(len(train_files), train.total, 0), subset(len(val_files), val.total, 1)
     train_files, train_labels = [train_files[i] for i in train_keep], train_labels[train_keep]
     val_files, val_labels = [val_files[i] for i in val_keep], val_labels[val_keep]
