@@ -17,7 +17,7 @@ import torch
 
 from tests.helpers import assert_same_state, persistent_state, profile_share, table_rows
 from trainer import checkpoint
-from trainer.config import compose_config
+from trainer.config import compose_config, recorded
 from trainer.dist import Dist
 from trainer.errors import CheckpointError, ConfigError, DivergedError
 from trainer.future import TensorFuture
@@ -401,31 +401,66 @@ def test_a_run_folder_that_cannot_be_made_is_one_message(tmp_path, multirun):
 
 
 @pytest.mark.parametrize("kind", ["run", "sweep"])
-def test_runs_started_in_the_same_second_take_folders_of_their_own(tmp_path, monkeypatch, kind):
+def test_runs_started_in_the_same_second_take_folders_of_their_own(tmp_path, kind):
     """Hydra's timestamped folder is the same for runs started in the same second (a script
     starting one per GPU): the later one takes the name with _2, where it wrote its .hydra/
-    over the first's and was then refused. A folder the command line names is its own."""
+    over the first's and was then refused; a sweep's jobs go there with it."""
+    import datetime
+    pattern = "outputs/%Y-%m-%d/%H-%M-%S" if kind == "run" else "outputs/multirun/%Y-%m-%d/%H-%M-%S/0"
+    now = datetime.datetime.now()
+    taken = [tmp_path / (now + datetime.timedelta(seconds=s)).strftime(pattern) for s in range(-2, 120)]
+    for folder in taken:  # another run's, in each of the next two minutes' seconds
+        folder.mkdir(parents=True)
+        (folder / "plan.json").write_text("another run's")
+    args = [sys.executable, str(ROOT / "run.py"), *(["-m", "optimizer=sgd,lars"] if kind == "sweep" else []), "mode=plan"]
+    out = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert all((folder / "plan.json").read_text() == "another run's" and
+               sorted(p.name for p in folder.iterdir()) == ["plan.json"] for folder in taken)
+    made = [p for p in tmp_path.glob("outputs/**/*_2") if p.is_dir()]
+    assert len(made) == 1 and made[0].parent == (taken[0].parent if kind == "run" else taken[0].parent.parent)
+    jobs = [made[0]] if kind == "run" else [made[0] / "0", made[0] / "1"]
+    assert all(json.loads((job / "plan.json").read_text())["regions"] and (job / ".hydra").is_dir() for job in jobs)
+
+
+def test_only_rank_0_checks_the_shared_folder_and_writes_a_modes_results(tmp_path, monkeypatch):
+    """The ranks of a torchrun job share one folder: rank 1 checking it after rank 0 wrote
+    plan.json there would refuse its own job's results."""
     from hydra import compose, initialize_config_dir
 
-    from trainer.app import RunDirectory
+    from trainer.app import RunDirectory, run_plan
     from trainer.config import register
-    monkeypatch.chdir(tmp_path)
+    (tmp_path / "plan.json").write_text("rank 0's")
     register()
-    start = RunDirectory().on_run_start if kind == "run" else RunDirectory().on_multirun_start
     with initialize_config_dir(str(CONF), version_base="1.3"):
-        first, second, third = (compose("train", return_hydra_config=True) for _ in range(3))
-        for cfg in (second, third):  # started in the first one's second
-            cfg.hydra[kind].dir = first.hydra[kind].dir
-        for cfg in (first, second, third):
-            start(cfg)
-        named = compose("train", [], return_hydra_config=True)
-        named.hydra.overrides.hydra = [f"hydra.{kind}.dir={first.hydra[kind].dir}"]
-        named.hydra[kind].dir = first.hydra[kind].dir
-        start(named)
-    folder = first.hydra[kind].dir
-    assert (second.hydra[kind].dir, third.hydra[kind].dir, named.hydra[kind].dir) == \
-        (f"{folder}_2", f"{folder}_3", folder)
-    assert all((tmp_path / cfg.hydra[kind].dir).is_dir() for cfg in (first, second, third))
+        cfg = compose("train", ["mode=plan"], return_hydra_config=True)
+    cfg.hydra.overrides.hydra = [f"hydra.run.dir={tmp_path}"]
+    cfg.hydra.run.dir = str(tmp_path)
+    monkeypatch.setenv("RANK", "1")
+    RunDirectory().on_run_start(cfg)
+    run_plan(config("mode=plan"), tmp_path)
+    assert (tmp_path / "plan.json").read_text() == "rank 0's"
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit):
+        RunDirectory().on_run_start(cfg)
+
+
+def test_records_rewritten_at_each_checkpoint_are_replaced_whole(tmp_path, monkeypatch):
+    """A run stopped while it rewrites curves.png (or summary.json) keeps the previous one."""
+    from matplotlib.figure import Figure
+
+    from trainer.metrics import plot_curves
+    rows = [{"epoch": 1, "train_loss": 2.0, "val_loss": 2.1, "train_top1": 0.2, "val_top1": 0.3}]
+    plot_curves(tmp_path, rows)
+    before = (tmp_path / "curves.png").read_bytes()
+
+    def stopped_part_way(self, path, **kwargs):
+        Path(path).write_bytes(b"\x89PNG half")
+        raise KeyboardInterrupt
+    monkeypatch.setattr(Figure, "savefig", stopped_part_way)
+    with pytest.raises(KeyboardInterrupt):
+        plot_curves(tmp_path, rows * 2)
+    assert (tmp_path / "curves.png").read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["curves.png"]
 
 
 def test_a_run_refused_its_folder_leaves_the_other_runs_command_line_there(tmp_path):
@@ -807,6 +842,9 @@ def test_relative_paths_are_kept_absolute_so_a_resume_elsewhere_reads_the_same_f
     assert cfg.trainer.resume == str(tmp_path / "runs" / "a") and cfg.compile_cache == ""
     (tmp_path / "data").mkdir()
     assert config("data=imagefolder", "data.root=data/").data.root == str(tmp_path / "data")
+    # an older checkpoint's relative paths are read from here, as they were, and compare equal to the same given
+    older = {"data.root": "data", "data.decode_cache": "", "optimizer.lr": 0.1}
+    assert recorded(older) == {"data.root": str(tmp_path / "data"), "data.decode_cache": "", "optimizer.lr": 0.1}
 
 
 def test_eval_and_export_take_the_model_options_of_the_run_that_wrote_the_checkpoint(tmp_path):
@@ -1037,8 +1075,7 @@ def test_cutout_beyond_the_resident_small_images_is_refused(overrides):
     (["trainer.lookahead=true"], "trainer.lookahead=true copies the EMA weights back .* ema=false keeps none"),
     (["optimizer=sgd", "optimizer.momentum=0.9"], "optimizer.momentum=0.9 with optimizer=sgd, which keeps no momentum "
                                                   "buffer and would ignore it: use optimizer=momentum"),
-    (["trainer.seed=99999999999999999999"], r"trainer.seed=99999999999999999999 .* must be under 2\*\*63"),
-    (["data.seed_offset=-1"], "data.seed_offset=-1 must not be negative"),
+    (["trainer.seed=99999999999999999999"], r"trainer.seed=99999999999999999999 must lie in \[-2\*\*63, 2\*\*64\)"),
 ])
 def test_settings_that_would_be_ignored_or_misread_are_refused(overrides, message):
     """Each would otherwise train without a word, or fail in a traceback: a key added by +

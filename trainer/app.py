@@ -2,6 +2,8 @@
 import itertools
 import json
 import logging
+import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -17,7 +19,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from trainer.config import (CHECKPOINT_OPTIONS, RUN_OPTIONS, TrainConfig, expand_paths, given_changes, given_options,
-                            take_options, validate)
+                            recorded, take_options, validate)
 from trainer.errors import CheckpointError, ConfigError, TrainerError
 from trainer.run_dir import (continue_with, find_checkpoint, given, other_run, restart_checkpoint, restarted,
                              resumed_folder, saved)
@@ -30,9 +32,10 @@ def run_plan(cfg: TrainConfig, run_dir: Path):
     from trainer.report import region_table
     from trainer.setup import make_plans
     plans = make_plans(cfg, cfg.dist.plan_ranks or from_env().world)[1]
-    print(region_table(plans))
-    (run_dir / "plan.json").write_text(json.dumps(plans.to_json(), indent=1))
-    log.info("wrote %s", run_dir / "plan.json")
+    if _is_main():
+        print(region_table(plans))
+        (run_dir / "plan.json").write_text(json.dumps(plans.to_json(), indent=1))
+        log.info("wrote %s", run_dir / "plan.json")
 
 
 def run_train(cfg: TrainConfig, run_dir: Path):
@@ -62,7 +65,7 @@ def _take_options(cfg: TrainConfig, path: str, keys):
     that its command line does not give, and is validated again with them."""
     from trainer import checkpoint
     meta = checkpoint.read(Path(path))["meta"]
-    written = meta.get("config", meta.get("options", {}))  # "options": the model's alone, in older checkpoints
+    written = recorded(meta.get("config", meta.get("options", {})))  # "options": the model's alone, in older ones
     if keys is RUN_OPTIONS and "config" not in meta:
         log.warning("%s was written before checkpoints kept every option of their run: give the options it was "
                     "started with (its run's .hydra/overrides.yaml lists them)", path)
@@ -89,8 +92,9 @@ def run_eval(cfg: TrainConfig, run_dir: Path):
     cfg.trainer.resume = _from_checkpoint(cfg)
     trainer = Trainer(cfg, run_dir, dist.start(cfg), evaluate_only=True)
     result = trainer.evaluate()
-    print(to_json(result))
-    write_summary(run_dir, {**result, "checkpoint": cfg.trainer.resume})
+    if trainer.dist.is_main:
+        print(to_json(result))
+        write_summary(run_dir, {**result, "checkpoint": cfg.trainer.resume})
 
 
 def run_export(cfg: TrainConfig, run_dir: Path):
@@ -107,16 +111,18 @@ def run_export(cfg: TrainConfig, run_dir: Path):
     tensors = plans.tensors[plans.variants[0].name]
     bind(model, tensors, arena)
     checkpoint.load(Path(path), arena, checkpoint.identity(cfg), model_only=True)
-    torch.save(state_dict(tensors, arena, cfg.ema), run_dir / "model_state_dict.pt")
-    log.info("wrote %s (from %s)", run_dir / "model_state_dict.pt", path)
+    if _is_main():
+        torch.save(state_dict(tensors, arena, cfg.ema), run_dir / "model_state_dict.pt")
+        log.info("wrote %s (from %s)", run_dir / "model_state_dict.pt", path)
 
 
 def run_bench(cfg: TrainConfig, run_dir: Path):
     from trainer import bench, dist
     device = dist.device_for(cfg.device, dist.from_env())
     text = bench.run(cfg, device, cfg.bench.optimizers)
-    print(text)
-    (run_dir / "bench.md").write_text(text + "\n")
+    print(text)  # each rank's, of its own GPU
+    if _is_main():
+        (run_dir / "bench.md").write_text(text + "\n")
 
 
 MODES = {"plan": run_plan, "train": run_train, "eval": run_eval, "export": run_export, "bench": run_bench}
@@ -148,18 +154,21 @@ class RunDirectory(Callback):
         if not named:
             _new_folder(config, "run")
             return
-        _refuse_another_runs(Path(config.hydra.run.dir), config)
+        if _is_main():  # the ranks of a torchrun job share the folder, whose results rank 0 writes
+            _refuse_another_runs(Path(config.hydra.run.dir), config)
         _make(config.hydra.run.dir, "hydra.run.dir")
 
     def on_multirun_start(self, config: DictConfig, **kwargs):
         _validate_jobs(config)
         if "hydra.sweep.dir" not in given(config.hydra.overrides.hydra):
             _new_folder(config, "sweep")
+            with open_dict(config):  # the launcher composes each job's configuration again from these
+                config.hydra.overrides.hydra.append(f"hydra.sweep.dir={_quoted(config.hydra.sweep.dir)}")
             return
         sweep = Path(config.hydra.sweep.dir)
         for job in sorted(sweep.iterdir()) if sweep.is_dir() else ():
             if job.is_dir() and other_run(job, ""):
-                print(f"{sweep} holds another sweep's jobs ({job.name}/ has its checkpoints or records): give this "
+                print(f"{sweep} holds another sweep's jobs ({job.name}/ has its checkpoints or results): give this "
                       "sweep a folder of its own (hydra.sweep.dir=...)", file=sys.stderr)
                 raise SystemExit(2)
         _make(config.hydra.sweep.dir, "hydra.sweep.dir")
@@ -236,7 +245,7 @@ def _new_folder(config: DictConfig, kind: str):
     the same for runs started in the same second (a script starting one per GPU), and the
     later one would write its .hydra/ and log over the first's and then be refused. It
     takes the folder with _2 (_3, ...) after the name instead."""
-    folder = config.hydra[kind].dir
+    folder = os.path.normpath(config.hydra[kind].dir)  # a pattern ending in / would take .../_2
     for n in itertools.count(1):
         path = folder if n == 1 else f"{folder}_{n}"
         _make(Path(path).parent, f"hydra.{kind}.dir")
@@ -249,6 +258,17 @@ def _new_folder(config: DictConfig, kind: str):
         with open_dict(config):
             config.hydra[kind].dir = path
         return
+
+
+def _quoted(value: str) -> str:
+    """value as a quoted string of Hydra's override grammar, where backslashes are escaped
+    only before a quote or at the end."""
+    return "'" + re.sub(r"(\\*)('|$)", lambda m: m[1] * 2 + ("\\'" if m[2] else ""), value) + "'"
+
+
+def _is_main() -> bool:
+    """Rank 0 of a torchrun job (RANK; no torch in the callback), or a single process."""
+    return int(os.environ.get("RANK", 0)) == 0
 
 
 def _refuse_another_runs(folder: Path, config: DictConfig):
@@ -284,8 +304,8 @@ def _cannot_make(folder, e: OSError, key: str):
 def _where_to_continue(cfg: DictConfig, run_dir: Path) -> str:
     """How an interrupted training run goes on: from its newest checkpoint, which keeps the
     run's options, or from the one it resumed if it wrote none."""
-    from trainer.dist import from_env
-    found, world = saved(run_dir / "checkpoints"), from_env().world
+    from trainer.dist import from_env, launched
+    found, world = saved(run_dir / "checkpoints"), from_env().world if launched() else 1
     if found:
         return (f"; continue from {found[-1].name} with {continue_with(run_dir, world)} (which takes this run's "
                 "options from it)")

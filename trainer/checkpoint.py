@@ -7,7 +7,6 @@ CRC-32, so that a file damaged where its layout still reads is refused, not rest
 """
 import hashlib
 import json
-import os
 import zipfile
 import zlib
 from pathlib import Path
@@ -19,7 +18,7 @@ from trainer.dtensor import ITEMSIZE
 from trainer.errors import CheckpointError
 from trainer.plan import Baseline, MemoryPlan
 from trainer.regions import Region
-from trainer.run_dir import find_checkpoint, run_folder, saved
+from trainer.run_dir import find_checkpoint, run_folder, saved, written_whole
 
 # Weights, EMA, half copies, BN statistics and optimizer moments: what training accumulates.
 STATE_REGIONS = tuple(r for r in Region if r.name[0] in "BWEAMVN")
@@ -69,13 +68,11 @@ def save(path: Path, arena: Arena, meta: dict, per_rank: dict | None = None):
     }
     payload["checksums"] = {f"{kind}.{name}": _crc(data) for kind in ("regions", "scalars")
                             for name, data in payload[kind].items()}
-    tmp = path.with_name(path.name + ".tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(payload, tmp)  # torch's file writer reports a failed write as a RuntimeError
-        os.replace(tmp, path)  # a crash mid-write leaves the previous checkpoint untouched
-    except (OSError, RuntimeError) as e:  # a full disk, a lost mount: drop the part written, keep the rest
-        tmp.unlink(missing_ok=True)
+        with written_whole(path) as part:
+            torch.save(payload, part)  # torch's file writer reports a failed write as a RuntimeError
+    except (OSError, RuntimeError) as e:  # a full disk, a lost mount: the earlier checkpoints are whole
         raise CheckpointError(f"cannot write the checkpoint {path} ({e}); the earlier ones in {path.parent} "
                               f"are intact: make room there, then continue with trainer.resume={path.parent}") from None
 

@@ -220,7 +220,7 @@ _NON_NEGATIVE = ("model.head_std", "optimizer.lr", "optimizer.muon_lr", "trainer
                  "trainer.lowres_epochs", "trainer.checkpoint_every",
                  "trainer.stop_after_epoch", "schedule.warmup_epochs", "data.train_size", "data.val_size",
                  "data.crop_padding", "data.cutout", "bench.warmup", "bench.profile", "optimizer.nominal_batch",
-                 "dist.plan_ranks", "trainer.seed", "data.seed_offset")
+                 "dist.plan_ranks")
 _FRACTIONS = ("optimizer.momentum", "optimizer.muon_momentum", "optimizer.beta2", "ema_decay", "trainer.label_smoothing",
               "schedule.final_fraction", "schedule.warmup_start_fraction", "data.min_crop_area")
 _CLOSED_FRACTIONS = ("data.host_decode",)
@@ -298,9 +298,21 @@ def expand_paths(cfg):
     would read a relative data.root there: another data set, or none."""
     for key in PATHS:
         node, last = _parent(cfg, key)
-        if not (isinstance(node, DictConfig) and OmegaConf.is_interpolation(node, last)) and getattr(node, last):
-            setattr(node, last, os.path.abspath(os.path.expanduser(getattr(node, last))))
+        if not (isinstance(node, DictConfig) and OmegaConf.is_interpolation(node, last)):
+            setattr(node, last, absolute(getattr(node, last)))
     return cfg
+
+
+def absolute(path: str) -> str:
+    """A path given as an option, absolute ('' stays '': not given)."""
+    return os.path.abspath(os.path.expanduser(path)) if path else path
+
+
+def recorded(written: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's options as this version keeps them: its paths absolute. Older checkpoints
+    kept them as given, relative to the folder their run was started in, which is unknown;
+    they are read from this process's, as before, and compared with its absolute ones."""
+    return {key: absolute(value) if key in PATHS else value for key, value in written.items()}
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:
@@ -359,13 +371,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.data.cutout and cfg.data.name != "cifar10":
         raise ConfigError(f"data.cutout={cfg.data.cutout}: cutout is applied to small images kept on the device "
                           f"(data=cifar10, here data={cfg.data.name}); set data.cutout=0 or use data=cifar10")
-    if not cfg.trainer.seed + cfg.data.seed_offset < 2 ** 63:  # torch's and numpy's generators take 64-bit seeds
-        raise ConfigError(f"trainer.seed={cfg.trainer.seed} (plus data.seed_offset={cfg.data.seed_offset}) must be "
-                          f"under 2**63")
+    if not -2 ** 63 <= cfg.trainer.seed < 2 ** 64:  # torch's generator takes 64 bits (the data's, the seed mod 2**32)
+        raise ConfigError(f"trainer.seed={cfg.trainer.seed} must lie in [-2**63, 2**64)")
     if cfg.optimizer.name == "sgd" and cfg.optimizer.momentum:
         raise ConfigError(f"optimizer.momentum={cfg.optimizer.momentum} with optimizer=sgd, which keeps no momentum "
                           f"buffer and would ignore it: use optimizer=momentum or optimizer=nesterov for momentum, or "
-                          f"leave optimizer.momentum out")
+                          f"set optimizer.momentum=0")
     if cfg.optimizer.name == "muon" and cfg.optimizer.lr == 0:
         raise ConfigError("optimizer=muon with optimizer.lr=0: lr is the schedule's peak, which Muon's step "
                           "follows too (optimizer.muon_lr at the peak); set a positive lr")

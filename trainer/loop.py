@@ -71,8 +71,8 @@ class Trainer:
         self.model, self.plans, self.arena, self.ops, self.executor = e.model, e.plans, e.arena, e.ops, e.executor
         self.per_epoch = e.per_epoch
         self.total_steps = self.plans.main.config.schedule_steps
-        for why in [] if evaluate_only else unreached(cfg.schedule, t.epochs):
-            log.warning("%s", why)
+        for why in unreached(cfg.schedule, t.epochs) if dist.is_main and not (evaluate_only or t.resume) else []:
+            log.warning("%s", why)  # once, as the run starts: not again on a resume or torchrun's restart
         self.feeder = DoubleBuffer(self.arena, self.plans.tensors)
         self.meta = checkpoint.identity(cfg)
         self.start_epoch, self.history = 0, []

@@ -10,7 +10,7 @@ from collections import deque
 from pathlib import Path
 
 from trainer.future import TensorFuture
-from trainer.run_dir import RECORDS
+from trainer.run_dir import RECORDS, written_whole
 
 
 class MetricsLog:
@@ -94,7 +94,8 @@ def to_json(row: dict, **kwargs) -> str:
 
 
 def write_summary(run_dir: Path, summary: dict):
-    (run_dir / "summary.json").write_text(to_json(summary, indent=1))
+    with written_whole(run_dir / "summary.json") as part:  # rewritten at each checkpoint
+        part.write_text(to_json(summary, indent=1))
 
 
 def plot_curves(run_dir: Path, epochs: list[dict]):
@@ -113,7 +114,8 @@ def plot_curves(run_dir: Path, epochs: list[dict]):
         ax.set_ylabel(key)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(run_dir / "curves.png", dpi=100)
+    with written_whole(run_dir / "curves.png") as part:
+        fig.savefig(part, dpi=100, format="png")
     plt.close(fig)
 
 

@@ -5,6 +5,7 @@ records a folder holds continues in it: resumed from them, or restarted by torch
 agent, which started before this job wrote anything there. No torch here: the Hydra
 callback that checks the folder runs before the configuration is read.
 """
+import contextlib
 import os
 import re
 from pathlib import Path
@@ -39,6 +40,19 @@ def find_checkpoint(path) -> Path:
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}: give a checkpoint file, or a run directory that holds them")
     return path
+
+
+@contextlib.contextmanager
+def written_whole(path: Path):
+    """A path to write `path`'s new content to, renamed over it once written: a run stopped
+    part way (Ctrl-C, a full disk) leaves the previous file whole, and readers (a resume, two
+    runs sharing a cache) never see half of one. An error removes the part written."""
+    part = path.with_name(f"{path.name}.{os.getpid()}.part")
+    try:
+        yield part
+        os.replace(part, path)
+    finally:
+        part.unlink(missing_ok=True)
 
 
 def agent_started_at() -> float | None:

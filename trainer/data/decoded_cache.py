@@ -7,14 +7,14 @@ split sizes, the classes), so a changed archive or configuration misses: an entr
 goes stale. An entry that cannot be read is decoded again and rewritten; one that cannot be
 written only costs the next run its decoding.
 """
-import contextlib
 import hashlib
 import logging
-import os
 import zipfile
 from pathlib import Path
 
 import numpy as np
+
+from trainer.run_dir import written_whole
 
 log = logging.getLogger("trainer")
 FORMAT = 2  # raised whenever what an entry holds, or how it was decoded, changes
@@ -46,15 +46,11 @@ def load(path: Path, shapes: dict[str, tuple]) -> dict[str, np.ndarray] | None:
 def save(path: Path, arrays: dict[str, np.ndarray]) -> None:
     """Written under another name and renamed: a run that stops part way, or two runs writing
     at once, never leave a half-written entry under the name others read."""
-    part = path.with_name(f"{path.name}.{os.getpid()}.part")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(part, "wb") as f:
+        with written_whole(path) as part, open(part, "wb") as f:
             np.savez(f, **arrays)
-        os.replace(part, path)
         log.info("decoded images kept in %s for later runs (data.decode_cache)", path)
     except OSError as e:
-        with contextlib.suppress(OSError):  # it may never have been made
-            part.unlink(missing_ok=True)
         log.warning("cannot keep the decoded images in %s (%s): the next run decodes them again; "
                     "set data.decode_cache to a writable folder, or to '' not to keep them", path.parent, e)
