@@ -273,8 +273,7 @@ def test_a_resume_told_to_stop_where_it_resumes_is_refused(tmp_path):
                    Dist()).fit()["epochs"] == 3
 
 
-def test_a_torchrun_restart_after_the_stop_asked_for_trains_nothing_and_keeps_the_summary(tmp_path, monkeypatch,
-                                                                                         caplog):
+def test_a_torchrun_restart_after_the_stop_asked_for_trains_nothing(tmp_path, monkeypatch, caplog):
     """torchrun restarts a job that failed after writing the checkpoint trainer.stop_after_epoch
     asked for (its resume is that checkpoint, its options the same): the job is done, not refused
     on every restart."""
