@@ -326,7 +326,9 @@ def test_an_interrupted_torchrun_job_is_told_to_continue_under_torchrun_with_its
     cfg = OmegaConf.create({"trainer": {"resume": ""}})
     assert _where_to_continue(cfg, tmp_path) == (f"; continue from epoch_0003.pt with trainer.resume={tmp_path} "
                                                  "(which takes this run's options from it)")
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a stray one, outside torchrun
+    assert _where_to_continue(cfg, tmp_path).endswith(f"trainer.resume={tmp_path} (which takes this run's options from it)")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     assert _where_to_continue(cfg, tmp_path) == (f"; continue from epoch_0003.pt with trainer.resume={tmp_path}, under "
                                                  "torchrun with 2 processes as this job (which takes this run's "
                                                  "options from it)")
@@ -489,7 +491,7 @@ def test_evaluations_and_sweeps_keep_out_of_another_runs_folder(tmp_path, mode):
     assert out.stderr.strip() == (
         f"{other} holds another run's checkpoints or results: mode=eval would write its own files over them; give "
         "it a folder of its own (hydra.run.dir=...)" if mode == "eval" else
-        f"{other.parent} holds another sweep's jobs (0/ has its checkpoints or records): give this sweep a folder "
+        f"{other.parent} holds another sweep's jobs (0/ has its checkpoints or results): give this sweep a folder "
         "of its own (hydra.sweep.dir=...)")
     assert list(other.iterdir()) == [other / "checkpoints"]  # nothing written beside them
 
