@@ -872,7 +872,8 @@ def test_eval_and_export_take_the_model_options_of_the_run_that_wrote_the_checkp
 def test_a_command_line_gives_the_keys_it_names_its_groups_and_what_its_presets_change():
     """What a checkpoint's options may not override: a group's choice gives all its keys
     (model=cifar_resnet20 keeps its width 16 against a narrow checkpoint's 8), a preset
-    the keys it changes, and data.num_classes the model's, which follows it."""
+    the keys it sets and the groups it chooses, and data.num_classes the model's, which
+    follows it."""
     from trainer.config import given_options, options, take_options
     defaults = config()
     assert given_options(config("optimizer.lr=0.1"), ["optimizer.lr"], defaults) == {"optimizer.lr"}
@@ -883,6 +884,17 @@ def test_a_command_line_gives_the_keys_it_names_its_groups_and_what_its_presets_
     assert "model.num_classes" in given_options(config("data=synthetic"), ["data"], defaults)  # as data's follows
     speed = given_options(config("+experiment=cifar10_speed", "data.root=c.tgz"), ["experiment", "data.root"], defaults)
     assert {"optimizer.lr", "trainer.batch_size", "model.logit_scale", "data.tta"} <= speed and "trainer.seed" not in speed
+    # and the keys it sets to the defaults' values (momentum 0.9, flip random), and the groups it chooses
+    from hydra import initialize_config_dir
+
+    from trainer.config import chosen_keys
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        chosen = chosen_keys({"experiment": "cifar10_resnet18", "optimizer": "sgd", "trainer.seed": "3"})
+    assert {"optimizer.momentum", "data.flip", "trainer.epochs", "model", "optimizer", "optimizer.name",
+            "optimizer.lr"} <= chosen and "trainer.seed" not in chosen
+    resnet18 = config("+experiment=cifar10_resnet18", "data.root=c.tgz")
+    given = given_options(resnet18, {"experiment", "data.root", *chosen}, defaults)
+    assert {"optimizer.momentum", "data.flip", "model.width"} <= given and "trainer.seed" not in given
     narrow = options(config("model=cifar_resnet20_narrow", "trainer.seed=3"))
     cfg = config("model=cifar_resnet20")
     assert take_options(cfg, narrow, ("model.width", "trainer.seed"), {"model.width", "model.name"}) == {

@@ -18,8 +18,8 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from trainer.config import (CHECKPOINT_OPTIONS, RUN_OPTIONS, TrainConfig, expand_paths, given_changes, given_options,
-                            recorded, take_options, validate)
+from trainer.config import (CHECKPOINT_OPTIONS, RUN_OPTIONS, TrainConfig, chosen_keys, expand_paths, given_changes,
+                            given_options, recorded, take_options, validate)
 from trainer.errors import CheckpointError, ConfigError, TrainerError
 from trainer.run_dir import (continue_with, find_checkpoint, given, other_run, restart_checkpoint, restarted,
                              resumed_folder, saved)
@@ -74,7 +74,8 @@ def _take_options(cfg: TrainConfig, path: str, keys):
         hydra.job.config_name, list(hydra.overrides.hydra), RunMode.RUN)
     with open_dict(defaults):
         del defaults["hydra"]
-    named = given_options(cfg, given(hydra.overrides.task), expand_paths(OmegaConf.to_object(defaults)))
+    choices = given(hydra.overrides.task)
+    named = given_options(cfg, {*choices, *chosen_keys(choices)}, expand_paths(OmegaConf.to_object(defaults)))
     changed = given_changes(cfg, written, keys, named)
     if changed:
         log.info("this command changes the options of the run that wrote %s: %s", path,

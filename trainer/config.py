@@ -10,6 +10,8 @@ from typing import Any
 
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
+from hydra.core.default_element import GroupDefault
+from hydra.core.global_hydra import GlobalHydra
 from omegaconf import II, MISSING, DictConfig, OmegaConf
 
 from trainer.errors import ConfigError
@@ -279,12 +281,34 @@ def given_changes(cfg: TrainConfig, written: dict[str, Any], keys, given: set[st
 def given_options(cfg: TrainConfig, named, defaults: TrainConfig) -> set[str]:
     """The options a command line gives: those it names (`named`: keys as it names them; a
     group's choice, model=..., names all of the group's keys, and data=... or
-    data.num_classes the model's, which follows it) and those it changes from `defaults`,
-    the options composed without it (as a preset, +experiment=..., does)."""
+    data.num_classes the model's, which follows it; chosen_keys adds those the chosen group
+    options set) and those it changes from `defaults`, the options composed without it."""
     named = set(named) | ({"model.num_classes"} if {"data", "data.num_classes"} & set(named) else set())
     before = options(defaults)
     return {key for key, value in options(cfg).items()
             if value != before.get(key) or any(key == name or key.startswith(name + ".") for name in named)}
+
+
+def chosen_keys(choices: dict[str, str]) -> set[str]:
+    """The keys that the group options a command line chooses (model=..., +experiment=...) set
+    in their files, and the groups their defaults lists choose: given as well, as a preset sets
+    some to the defaults' own values (+experiment=cifar10_resnet18's optimizer.momentum=0.9),
+    which a comparison with the defaults does not see. Hydra's config search path must be set
+    up (in a run, or under hydra.initialize)."""
+    repository, keys = GlobalHydra.instance().config_loader().repository, set()
+    for group, option in choices.items():
+        if not (repository.group_exists(group) and repository.config_exists(f"{group}/{option}")):
+            continue
+        found = repository.load_config(f"{group}/{option}")
+        package = found.header.get("package") or group
+        keys |= set(_dotted(found.config, "" if package == "_global_" else f"{package}."))
+        keys |= {choice.group.lstrip("/") for choice in found.defaults_list if isinstance(choice, GroupDefault)}
+    return keys
+
+
+def _dotted(node, prefix: str):
+    for key, value in node.items():
+        yield from _dotted(value, f"{prefix}{key}.") if isinstance(value, DictConfig) else [prefix + str(key)]
 
 
 # Paths a command line gives: the shell leaves a ~ after key= as it is (not an assignment)
