@@ -340,15 +340,21 @@ def test_an_interrupted_torchrun_job_is_told_to_continue_under_torchrun_with_its
     (["schedule=step"], r"schedule.milestones=\[30.0, 60.0, 80.0\] fall after the run's end \(trainer.epochs=2\): the "
                         "learning rate stays at its peak"),
     (["schedule=step", "schedule.milestones=[1,30]"], None),
+    (["trainer.lowres_epochs=2", "trainer.lowres_resolution=12"],
+     "trainer.lowres_epochs=2 is not fewer than trainer.epochs=2: the run never trains at data.resolution=16, which it "
+     "is evaluated at"),
+    (["trainer.first_conv_freeze_epochs=5"], "trainer.first_conv_freeze_epochs=5 is not fewer than trainer.epochs=2: "
+                                             "the first conv never freezes"),
     (["schedule=cosine"], None),
 ])
-def test_a_schedule_set_for_a_longer_run_is_said_before_training(tmp_path, caplog, overrides, said):
+def test_what_is_set_for_a_longer_run_is_said_before_training(tmp_path, caplog, overrides, said):
     """The schedule presets' warm-up and milestones are set for long runs; in a shorter one the
-    learning rate never reaches its peak, or never moves from it."""
+    learning rate never reaches its peak, or never moves from it; low-resolution epochs or a
+    freeze as long as the run never end or never begin."""
     from trainer.loop import Trainer
     with caplog.at_level("WARNING", logger="trainer"):
         Trainer(config(*TINY, "trainer.epochs=2", *overrides), tmp_path, Dist())
-    assert re.search(said, caplog.text) if said else "schedule." not in caplog.text, caplog.text
+    assert re.search(said, caplog.text) if said else "trainer.epochs=2" not in caplog.text, caplog.text
 
 
 def test_a_resume_on_another_schedule_length_says_where_the_learning_rate_moves(tmp_path, caplog):
@@ -770,6 +776,10 @@ def test_the_images_counted_at_each_step_include_a_short_last_batch(tmp_path, mo
               "trainer.epochs=2")
     assert t.per_epoch == 16  # 15 batches of 32 and one of 20
     assert counted == {e * 16 + i: e * 500 + min(i * 32, 500) for e in range(2) for i in range(1, 17)}
+    # a rate within its epoch: the time since the last epoch's last step holds its evaluation and checkpoint
+    rates = {r["step"]: r["images_per_s"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+             if "step" in r}
+    assert [step for step, rate in rates.items() if rate is None] == [1, 17] and len(rates) == 32
 
 
 def test_a_finite_but_diverged_loss_stops_the_run_before_its_checkpoint(tmp_path):
@@ -1089,6 +1099,11 @@ def test_cutout_beyond_the_resident_small_images_is_refused(overrides):
     (["optimizer=sgd", "optimizer.momentum=0.9"], "optimizer.momentum=0.9 with optimizer=sgd, which keeps no momentum "
                                                   "buffer and would ignore it: use optimizer=momentum"),
     (["trainer.seed=99999999999999999999"], r"trainer.seed=99999999999999999999 must lie in \[-2\*\*63, 2\*\*64\)"),
+    (["data.val_resize=-1.14"], "data.val_resize=-1.14 must be at least 1"),  # DALI flipped the images
+    (["data.val_resize=0.5"], "data.val_resize=0.5 must be at least 1"),  # failed at the first evaluation
+    (["data.min_crop_area=0"], r"data.min_crop_area=0.0 must lie in \(0, 1\)"),
+    (["optimizer=adamw", "optimizer.decoupled=true"], "optimizer.decoupled=true with optimizer=adamw: its units are"),
+    (["optimizer.decoupled=true", "optimizer.nominal_batch=256"], "already scales with the batch"),
 ])
 def test_settings_that_would_be_ignored_or_misread_are_refused(overrides, message):
     """Each would otherwise train without a word, or fail in a traceback: a key added by +

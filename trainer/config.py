@@ -49,7 +49,7 @@ class OptimizerConfig:
     eps: float = 1e-8
     weight_decay: float = 5e-4
     bias_weight_decay: bool = False  # decay the bias block (BN and FC biases, BN weights) too
-    bias_lr_scale: float = 1.0  # the bias block's lr multiplier; its decay is not scaled with it
+    bias_lr_scale: float = 1.0  # the bias block's lr multiplier; its weight decay is divided by it (lr x decay kept)
     lars_eta: float = 0.001  # LARS trust coefficient
     # Muon for the deep convs (the bias block, FC weight and first conv take Nesterov SGD with the
     # values above): the step of each filter bank, whose norm is kept at sqrt(out channels), so
@@ -92,6 +92,7 @@ class DataConfig:
     host_decode: float = 0.0  # imagefolder on a GPU: the share of each batch decoded by the CPU, the rest by the GPU
     decode_cache: str = ""  # cifar10 archives: a folder keeping what they decode to, for later runs; "" off
     # imagefolder: look at both ends of every JPEG (or PNG under a .jpg name) before training (seconds per million files)
+    # (false: a damaged file stops the run only when it is read, or crashes DALI's JPEG parser, a segfault)
     check_files: bool = True
     seed_offset: int = 0
     tta: int = 0  # evaluation views: 0 none, 1 flip, 2 flip and one-pixel translations
@@ -224,7 +225,7 @@ _NON_NEGATIVE = ("model.head_std", "optimizer.lr", "optimizer.muon_lr", "trainer
                  "data.crop_padding", "data.cutout", "bench.warmup", "bench.profile", "optimizer.nominal_batch",
                  "dist.plan_ranks")
 _FRACTIONS = ("optimizer.momentum", "optimizer.muon_momentum", "optimizer.beta2", "ema_decay", "trainer.label_smoothing",
-              "schedule.final_fraction", "schedule.warmup_start_fraction", "data.min_crop_area")
+              "schedule.final_fraction", "schedule.warmup_start_fraction")
 _CLOSED_FRACTIONS = ("data.host_decode",)
 
 
@@ -359,8 +360,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         if _get(cfg, key) < 0:
             raise ConfigError(f"{key}={_get(cfg, key)} must not be negative")
     for key in _FRACTIONS:
-        if not 0 <= _get(cfg, key) < 1 or (key == "data.min_crop_area" and _get(cfg, key) == 0):
+        if not 0 <= _get(cfg, key) < 1:
             raise ConfigError(f"{key}={_get(cfg, key)} must lie in [0, 1)")
+    if not 0 < cfg.data.min_crop_area < 1:
+        raise ConfigError(f"data.min_crop_area={cfg.data.min_crop_area} must lie in (0, 1): the smallest share of the "
+                          f"image a training crop covers")
+    if not cfg.data.val_resize >= 1:  # DALI takes a negative size for a flip, and a smaller side cannot be cropped
+        raise ConfigError(f"data.val_resize={cfg.data.val_resize} must be at least 1: evaluation resizes an image's "
+                          f"short side to data.resolution times it, then crops data.resolution from its center")
     for key in _CLOSED_FRACTIONS:
         if not 0 <= _get(cfg, key) <= 1:
             raise ConfigError(f"{key}={_get(cfg, key)} must lie in [0, 1]")
@@ -397,6 +404,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                           f"(data=cifar10, here data={cfg.data.name}); set data.cutout=0 or use data=cifar10")
     if not -2 ** 63 <= cfg.trainer.seed < 2 ** 64:  # torch's generator takes 64 bits (the data's, the seed mod 2**32)
         raise ConfigError(f"trainer.seed={cfg.trainer.seed} must lie in [-2**63, 2**64)")
+    if cfg.optimizer.decoupled and cfg.optimizer.name in ("adam", "adamw"):
+        raise ConfigError(f"optimizer.decoupled=true with optimizer={cfg.optimizer.name}: its units are SGD's with "
+                          f"momentum (a step's size follows the gradient's), and Adam's step does not; drop it")
+    if cfg.optimizer.decoupled and cfg.optimizer.nominal_batch:
+        raise ConfigError(f"optimizer.nominal_batch={cfg.optimizer.nominal_batch} with optimizer.decoupled=true, whose "
+                          f"learning rate is per example and already scales with the batch: drop one of them")
     if cfg.optimizer.name == "sgd" and cfg.optimizer.momentum:
         raise ConfigError(f"optimizer.momentum={cfg.optimizer.momentum} with optimizer=sgd, which keeps no momentum "
                           f"buffer and would ignore it: use optimizer=momentum or optimizer=nesterov for momentum, or "
@@ -499,6 +512,27 @@ def _validate_compile_options(cfg: TrainConfig):
 def freeze_epochs(cfg: TrainConfig) -> dict[str, float]:
     """The parts of the model that can be frozen, and after how many epochs (-1: never)."""
     return {"first_conv": cfg.trainer.first_conv_freeze_epochs, "stem_norm": cfg.trainer.stem_norm_freeze_epochs}
+
+
+def unreached(cfg: TrainConfig) -> list[str]:
+    """What a run never reaches of what its options set for later epochs, said before it
+    trains: a preset's warm-up (schedule=poly's 5 epochs) or milestones (schedule=step's 30,
+    60, 80), low-resolution epochs or a freeze set for a longer run than this one."""
+    s, t, out = cfg.schedule, cfg.trainer, []
+    if s.warmup_epochs >= t.epochs:
+        out.append(f"schedule.warmup_epochs={s.warmup_epochs:g} is not shorter than trainer.epochs={t.epochs:g}: the "
+                   f"learning rate climbs through the whole run and never reaches its peak")
+    if s.name == "step" and s.milestones and min(s.milestones) >= t.epochs:
+        out.append(f"schedule.milestones={list(s.milestones)} fall after the run's end (trainer.epochs={t.epochs:g}): the "
+                   f"learning rate stays at its peak")
+    if t.lowres_epochs >= t.epochs:
+        out.append(f"trainer.lowres_epochs={t.lowres_epochs} is not fewer than trainer.epochs={t.epochs:g}: the run never "
+                   f"trains at data.resolution={cfg.data.resolution}, which it is evaluated at")
+    for part, epochs in freeze_epochs(cfg).items():
+        if epochs >= t.epochs:
+            out.append(f"trainer.{part}_freeze_epochs={epochs:g} is not fewer than trainer.epochs={t.epochs:g}: the "
+                       f"{part.replace('_', ' ')} never freezes")
+    return out
 
 
 def plan_config(cfg: TrainConfig, schedule_steps: int, world: int = 1) -> PlanConfig:

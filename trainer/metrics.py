@@ -21,7 +21,7 @@ class MetricsLog:
         self.file = open(run_dir / RECORDS, "x" if new else "a") if enabled else None
         self.tty = enabled and sys.stdout.isatty()
         self.pending: deque = deque()
-        self.last = None  # (future, images so far) of the last written step
+        self.last = None  # (future, images so far, epoch) of the last written step
 
     def step(self, step: int, epoch: int, variant: str, images: int, results: TensorFuture, lr: TensorFuture):
         """Queue this step's R_RESULT and learning rate; `images` counts since the run began,
@@ -36,14 +36,16 @@ class MetricsLog:
             row, images, results, lr = self.pending.popleft()
             loss, top1, top5 = (float(v) for v in results.get())
             row.update(loss=loss, top1=top1, top5=top5, lr=float(lr.get()[0]))
-            row["images_per_s"] = self._rate(results, images)
-            self.last = (results, images)
+            row["images_per_s"] = self._rate(results, images, row["epoch"])
+            self.last = (results, images, row["epoch"])
             self._write(row)
 
-    def _rate(self, results: TensorFuture, images: int) -> float | None:
-        if self.last is None:
+    def _rate(self, results: TensorFuture, images: int, epoch: int) -> float | None:
+        """Images a second since the epoch's previous logged step; None for its first, as the
+        time since the last epoch's holds its evaluation and checkpoint."""
+        if self.last is None or self.last[2] != epoch:
             return None
-        prev, prev_images = self.last
+        prev, prev_images, _ = self.last
         if results.event is not None:
             seconds = prev.event.elapsed_time(results.event) / 1000
         else:

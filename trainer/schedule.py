@@ -44,20 +44,6 @@ def lr_multipliers(s: ScheduleConfig, steps: int, per_epoch: int) -> torch.Tenso
     return torch.where(t < warmup, rise, decay)
 
 
-def unreached(s: ScheduleConfig, epochs: float) -> list[str]:
-    """What of the schedule a run of `epochs` never reaches, said before it trains: a preset's
-    warm-up (schedule=poly's 5 epochs) or milestones (schedule=step's 30, 60, 80) set for a
-    longer run than this one."""
-    out = []
-    if s.warmup_epochs >= epochs:
-        out.append(f"schedule.warmup_epochs={s.warmup_epochs:g} is not shorter than trainer.epochs={epochs:g}: the "
-                   f"learning rate climbs through the whole run and never reaches its peak")
-    if s.name == "step" and s.milestones and min(s.milestones) >= epochs:
-        out.append(f"schedule.milestones={list(s.milestones)} fall after the run's end (trainer.epochs={epochs:g}): the "
-                   f"learning rate stays at its peak")
-    return out
-
-
 @dataclass(frozen=True)
 class Hyperparameters:
     """Peak values in the form the update rules use (torch.optim's coupled form)."""
