@@ -247,9 +247,9 @@ def _new_folder(config: DictConfig, kind: str):
     later one would write its .hydra/ and log over the first's and then be refused. It
     takes the folder with _2 (_3, ...) after the name instead."""
     folder = os.path.normpath(config.hydra[kind].dir)  # a pattern ending in / would take .../_2
+    _make(Path(folder).parent, f"hydra.{kind}.dir")
     for n in itertools.count(1):
         path = folder if n == 1 else f"{folder}_{n}"
-        _make(Path(path).parent, f"hydra.{kind}.dir")
         try:
             Path(path).mkdir()
         except FileExistsError:
