@@ -231,3 +231,38 @@ def test_an_infinite_step_factor_is_accepted():
     """schedule.gamma=inf is how a test makes a run's loss blow up on purpose; only nan is refused."""
     from trainer.config import compose_config
     assert compose_config(["schedule=step", "schedule.milestones=[1]", "schedule.gamma=inf"]).schedule.gamma == float("inf")
+
+
+@pytest.mark.parametrize("overrides, said", [
+    (["ema_decay=0.9"], ["ema_decay=0.9 has no effect: it is read only with ema=true"]),
+    (["ema=true", "ema_decay=0.9"], []),
+    (["schedule=cosine", "schedule.gamma=0.5", "schedule.power=3"],
+     ["schedule.gamma=0.5 has no effect: it is read only with schedule=step",
+      "schedule.power=3.0 has no effect: it is read only with schedule=poly"]),
+    (["amp=true", "amp_dtype=bf16", "trainer.grad_scale_init=1024"],
+     ["trainer.grad_scale_init=1024.0 has no effect: it is read only with amp=true and amp_dtype=fp16 (dynamic loss "
+      "scaling)"]),
+    (["model=resnet50", "model.depth=56", "optimizer=adamw", "optimizer.lars_eta=0.01"],
+     ["optimizer.lars_eta=0.01 has no effect: it is read only with optimizer=lars",
+      "model.depth=56 has no effect: it is read only with a cifar_resnet model (model=cifar_resnet20 ...)"]),
+    (["data=imagefolder", "data.root=/data", "data.crop_padding=8", "data.val_resize=1.5"],
+     ["data.crop_padding=8 has no effect: it is read only with data=cifar10 or synthetic (small images)"]),
+    (["bench.steps=5"], ["bench.steps=5 has no effect: it is read only with mode=bench"]),
+    (["mode=bench", "bench.steps=5"], []),
+])
+def test_options_this_configuration_does_not_read_are_named(overrides, said):
+    """An option that only another configuration reads (a sweep crossing ema=true,false with
+    ema_decay, a misremembered schedule key) would be ignored without a word; the run says
+    so before it trains."""
+    from trainer.config import compose_config, ignored
+    assert ignored(compose_config(overrides)) == said
+
+
+@pytest.mark.parametrize("group", ["model", "optimizer", "schedule", "data", "experiment"])
+def test_no_group_file_sets_what_its_choice_does_not_read(group):
+    """Each group file sets only options its own choice reads, so choosing it alone is said
+    nothing about."""
+    from trainer.config import compose_config, ignored
+    for path in sorted((ROOT / "conf" / group).glob("*.yaml")):
+        choice = f"+experiment={path.stem}" if group == "experiment" else f"{group}={path.stem}"
+        assert ignored(compose_config([choice, "mode=plan"])) == [], choice  # plan: no data.root needed

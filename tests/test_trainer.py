@@ -346,11 +346,14 @@ def test_an_interrupted_torchrun_job_is_told_to_continue_under_torchrun_with_its
     (["trainer.first_conv_freeze_epochs=5"], "trainer.first_conv_freeze_epochs=5 is not fewer than trainer.epochs=2: "
                                              "the first conv never freezes"),
     (["schedule=cosine"], None),
+    (["schedule=cosine", "schedule.milestones=[1]"], r"schedule.milestones=\[1.0\] has no effect: it is read only with "
+                                                      "schedule=step"),
 ])
 def test_what_is_set_for_a_longer_run_is_said_before_training(tmp_path, caplog, overrides, said):
     """The schedule presets' warm-up and milestones are set for long runs; in a shorter one the
     learning rate never reaches its peak, or never moves from it; low-resolution epochs or a
-    freeze as long as the run never end or never begin."""
+    freeze as long as the run never end or never begin. An option this configuration does not
+    read is said at the same time."""
     from trainer.loop import Trainer
     with caplog.at_level("WARNING", logger="trainer"):
         Trainer(config(*TINY, "trainer.epochs=2", *overrides), tmp_path, Dist())

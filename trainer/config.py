@@ -535,6 +535,48 @@ def unreached(cfg: TrainConfig) -> list[str]:
     return out
 
 
+# Options that only some configurations read, with what reads them: set in another, they
+# would be ignored without a word. Said before training rather than refused, as a sweep
+# crossing ema=true,false with ema_decay=0.99 sets one in each job.
+_READ_ONLY_WITH = {
+    "amp_dtype": (lambda c: c.amp, "amp=true"),
+    **{key: (lambda c: c.ema, "ema=true") for key in ("ema_decay", "trainer.ema_every", "trainer.ema_warmup_power")},
+    **{key: (lambda c: c.amp and c.amp_dtype == "fp16", "amp=true and amp_dtype=fp16 (dynamic loss scaling)")
+       for key in ("trainer.grad_scale_init", "trainer.grad_scale_growth_interval")},
+    "trainer.lowres_resolution": (lambda c: c.trainer.lowres_epochs > 0, "trainer.lowres_epochs > 0"),
+    **{key: (lambda c: c.optimizer.name in ("adam", "adamw"), "optimizer=adam or adamw")
+       for key in ("optimizer.beta2", "optimizer.eps")},
+    "optimizer.lars_eta": (lambda c: c.optimizer.name == "lars", "optimizer=lars"),
+    **{key: (lambda c: c.optimizer.name == "muon", "optimizer=muon")
+       for key in ("optimizer.muon_lr", "optimizer.muon_momentum", "optimizer.newton_schulz_steps")},
+    **{key: (lambda c: c.schedule.name == "step", "schedule=step") for key in ("schedule.milestones", "schedule.gamma")},
+    "schedule.power": (lambda c: c.schedule.name == "poly", "schedule=poly"),
+    "schedule.final_fraction": (lambda c: c.schedule.name in ("cosine", "linear", "poly"),
+                                "schedule=cosine, linear or poly"),
+    "schedule.warmup_start_fraction": (lambda c: c.schedule.warmup_epochs > 0, "schedule.warmup_epochs > 0"),
+    **{f"model.{key}": (lambda c: c.model.name == "cifar_resnet", "a cifar_resnet model (model=cifar_resnet20 ...)")
+       for key in ("depth", "width")},
+    **{f"model.{key}": (lambda c: c.model.name == "fastnet", "a fastnet model (model=fastnet, fastnet_tiny)")
+       for key in ("widths", "stem_norm", "logit_scale", "head_std")},
+    "model.stem": (lambda c: c.model.name.startswith("resnet"), "a torchvision ResNet (model=resnet18 ... resnet101)"),
+    **{f"data.{key}": (lambda c: c.data.name == "imagefolder", "data=imagefolder")
+       for key in ("min_crop_area", "val_resize", "host_decode", "check_files")},
+    "data.crop_padding": (lambda c: c.data.name in ("cifar10", "synthetic"), "data=cifar10 or synthetic (small images)"),
+    "data.decode_cache": (lambda c: c.data.name == "cifar10", "data=cifar10"),
+}
+
+
+def ignored(cfg: TrainConfig) -> list[str]:
+    """The options set away from the schema's defaults that this configuration does not read
+    (schedule.gamma without schedule=step, ema_decay without ema=true), and bench's outside
+    mode=bench. The group files set only what their own choice reads."""
+    now, defaults = options(cfg), options(TrainConfig())
+    out = [f"{key}={now[key]} has no effect: it is read only with {which}"
+           for key, (reads, which) in _READ_ONLY_WITH.items() if now[key] != defaults[key] and not reads(cfg)]
+    return out + [f"{key}={value} has no effect: it is read only with mode=bench" for key, value in now.items()
+                  if key.startswith("bench.") and cfg.mode != "bench" and value != defaults[key]]
+
+
 def plan_config(cfg: TrainConfig, schedule_steps: int, world: int = 1) -> PlanConfig:
     return PlanConfig(amp=cfg.amp, amp_dtype=cfg.amp_dtype, ema=cfg.ema, fold_bn=cfg.fold_bn,
                       optimizer=cfg.optimizer.name, schedule_steps=schedule_steps,

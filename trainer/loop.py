@@ -19,7 +19,7 @@ import torch
 import kernels
 from trainer import checkpoint
 from trainer.arena import HALF
-from trainer.config import TrainConfig, options, unreached
+from trainer.config import TrainConfig, ignored, options, unreached
 from trainer.data import build_sources, source_module
 from trainer.dist import Dist, device_for
 from trainer.errors import ConfigError, DivergedError
@@ -71,7 +71,7 @@ class Trainer:
         self.model, self.plans, self.arena, self.ops, self.executor = e.model, e.plans, e.arena, e.ops, e.executor
         self.per_epoch = e.per_epoch
         self.total_steps = self.plans.main.config.schedule_steps
-        for why in unreached(cfg) if dist.is_main and not (evaluate_only or t.resume) else []:
+        for why in [*ignored(cfg), *unreached(cfg)] if dist.is_main and not (evaluate_only or t.resume) else []:
             log.warning("%s", why)  # once, as the run starts: not again on a resume or torchrun's restart
         self.feeder = DoubleBuffer(self.arena, self.plans.tensors)
         self.meta = checkpoint.identity(cfg)
