@@ -8,9 +8,10 @@ import torch
 
 from tests.helpers import serve
 from trainer.config import DataConfig, TrainConfig, TrainerConfig
+from trainer.errors import DataError
 from trainer.data import build_sources
 from trainer.data.dali import IN_FLIGHT
-from trainer.data import gratings
+from trainer.data import gratings, synthetic
 from trainer.data.synthetic import channel_stats, generate
 from trainer.models import FastNet
 
@@ -38,6 +39,17 @@ def test_the_data_set_is_the_same_made_in_chunks_or_at_once_on_any_threads(threa
     monkeypatch.setattr(gratings, "_CHUNK_PIXELS", 1)  # one image a chunk
     chunked, chunked_labels = generate(50, 0, 48, threads)
     assert np.array_equal(chunked, at_once) and np.array_equal(chunked_labels, labels)
+
+
+def test_a_data_set_larger_than_the_hosts_free_memory_is_refused_before_it_is_made(monkeypatch):
+    """data.resolution=3000 asked numpy for 103 GiB, which it refused with a traceback (or,
+    on a host that overcommits, the kernel would have killed the run)."""
+    monkeypatch.setattr(synthetic, "host_memory_available", lambda: 356 * 16 * 16 * 3 - 1)
+    with pytest.raises(DataError, match=r"^the synthetic data set of 356 images at data.resolution=16 takes 0.0 GiB of "
+                                        r"host memory, and 0.0 GiB is free: lower data.resolution, data.train_size"):
+        build_sources(config(), CPU, 0, 1, None)
+    monkeypatch.setattr(synthetic, "host_memory_available", lambda: 356 * 16 * 16 * 3)
+    assert build_sources(config(), CPU, 0, 1, None)[0].images.shape == (256, 16, 16, 3)
 
 
 def test_channel_statistics_are_the_pixels_mean_and_deviation():

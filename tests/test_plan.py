@@ -3,12 +3,14 @@
 Expectations are written out from the design, not computed by the code under test.
 """
 import itertools
+import sys
 from collections import Counter
 
 import pytest
 import torch
 from torch import nn
 
+from trainer import arena
 from trainer.arena import Arena
 from trainer.config import compose_config
 from trainer.data import build_sources
@@ -705,14 +707,30 @@ def test_fingerprint_changes_with_model_and_config(change):
 # -- arena -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("override, region", [("trainer.epochs=1e12", "S_SCALAR_FP32"), ("data.resolution=1000000", "I_A_DATA")])
-def test_an_arena_too_large_for_the_device_names_its_size_and_what_sets_it(override, region):
+def test_an_arena_too_large_for_the_device_names_its_size_and_what_sets_it(override, region, monkeypatch):
     """Over the 128 TiB of a process's address space: the CPU allocator refuses at once on any
-    machine, however much memory it has or overcommits."""
+    machine, however much memory it has or overcommits (here without the host's free memory
+    to compare with, as where the kernel does not say it)."""
+    monkeypatch.setattr(arena, "host_memory_available", lambda: None)
     _, plans, _ = make_plans(compose_config([override]))
     with pytest.raises(PlanError, match=rf"^the arena of [\d,]+ bytes \([\d,.]+ GiB\) cannot be allocated on cpu; "
                                         rf"its largest regions: {region} .*trainer.epochs sets the size of the learning-rate "
                                         rf"table .*mode=plan lists every region$"):
         Arena(plans.main)
+
+
+def test_an_arena_larger_than_the_hosts_free_memory_is_refused_before_it_is_filled(monkeypatch):
+    """One that the address space holds but the host's memory does not would be filled with
+    zeros until the kernel killed the process, without a message."""
+    _, plans, _ = make_plans(compose_config([]))
+    if sys.platform == "linux":  # the kernel says it there
+        assert arena.host_memory_available() > 0
+    monkeypatch.setattr(arena, "host_memory_available", lambda: plans.main.total_bytes - 1)
+    with pytest.raises(PlanError, match=r"cannot be allocated on cpu \(0.0 GiB of this host's memory is free\); its "
+                                        r"largest regions: "):
+        Arena(plans.main)
+    monkeypatch.setattr(arena, "host_memory_available", lambda: plans.main.total_bytes)
+    assert Arena(plans.main).storage.numel() == plans.main.total_bytes
 
 
 # -- the evaluation batch ----------------------------------------------------------------

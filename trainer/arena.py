@@ -1,4 +1,6 @@
 """Arena: one uint8 allocation per device that holds every tensor of a MemoryPlan."""
+from pathlib import Path
+
 import torch
 
 from trainer.dtensor import DTensor, ITEMSIZE, padded_channels
@@ -10,14 +12,32 @@ from trainer.regions import Region, storage_dtype
 HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def too_large(plan: MemoryPlan, device: torch.device) -> str:
+def too_large(plan: MemoryPlan, device: torch.device, why: str = "") -> str:
     """What to say when the device cannot hold the arena: where its bytes go, and the options that size them."""
     largest = [r for r in sorted(Region, key=plan.region_bytes, reverse=True)[:3] if plan.region_bytes(r) * 100 >= plan.total_bytes]
     shown = ", ".join(f"{r.name} {plan.region_bytes(r) / 2**30:,.1f} GiB" for r in largest)
-    return (f"the arena of {plan.total_bytes:,} bytes ({plan.total_bytes / 2**30:,.1f} GiB) cannot be allocated on {device}; "
+    return (f"the arena of {plan.total_bytes:,} bytes ({plan.total_bytes / 2**30:,.1f} GiB) cannot be allocated on {device}{f' ({why})' if why else ''}; "
             f"its largest regions: {shown}. trainer.epochs sets the size of the learning-rate table (S_SCALAR_FP32, "
             f"a value a step), data.resolution, trainer.batch_size and trainer.val_batch_size that of the inputs (I_*_DATA): "
             f"lower them; mode=plan lists every region")
+
+
+def host_memory_available() -> int | None:
+    """The bytes this process may still fill on the host: the kernel's estimate of what can be
+    had without swapping (MemAvailable), under its cgroup's limit where one is set; None where
+    the kernel says neither (not Linux)."""
+    def read(path: str) -> str | None:
+        try:
+            return Path(path).read_text()
+        except OSError:
+            return None
+    found = []
+    meminfo = read("/proc/meminfo") or ""
+    found += [int(line.split()[1]) * 1024 for line in meminfo.splitlines() if line.startswith("MemAvailable:")]
+    limit, used = read("/sys/fs/cgroup/memory.max"), read("/sys/fs/cgroup/memory.current")
+    if limit and used and limit.strip() != "max":
+        found.append(int(limit) - int(used))
+    return min(found) if found else None
 
 
 class Arena:
@@ -25,6 +45,11 @@ class Arena:
         self.plan = plan
         self.device = torch.device(device)
         self.half = HALF[plan.config.amp_dtype]
+        # The CPU allocator hands out any size the address space holds; filling more than the
+        # host has would end in the kernel killing the process, without a word.
+        available = host_memory_available() if self.device.type == "cpu" else None
+        if available is not None and plan.total_bytes > available:
+            raise PlanError(too_large(plan, self.device, f"{available / 2**30:,.1f} GiB of this host's memory is free"))
         # Zero-filled: slot padding must hold finite values, since range ops sweep it too.
         try:
             self.storage = torch.zeros(plan.total_bytes, dtype=torch.uint8, device=self.device)

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from nvidia.dali import fn, types
 
+from trainer.arena import host_memory_available
 from trainer.config import DataConfig
 from trainer.data.dali import DaliSource
 from trainer.data.gratings import ORIENTATIONS, gratings, hues
@@ -74,6 +75,11 @@ def sources(d: DataConfig, train: Shard, val: Shard, seed: int, device: torch.de
     if d.num_classes != NUM_CLASSES:
         raise DataError(f"the synthetic data set has {NUM_CLASSES} classes but data.num_classes="
                         f"{d.num_classes}; set data.num_classes={NUM_CLASSES}")
+    size, available = (train.total + val.total) * d.resolution ** 2 * 3, host_memory_available()
+    if available is not None and size > available:  # numpy would refuse with a traceback, or the kernel kill the run
+        raise DataError(f"the synthetic data set of {train.total + val.total:,} images at data.resolution="
+                        f"{d.resolution} takes {size / 2**30:,.1f} GiB of host memory, and {available / 2**30:,.1f} GiB "
+                        f"is free: lower data.resolution, data.train_size or data.val_size")
     train_images, train_labels = generate(train.total, 0, d.resolution, d.threads)
     val_images, val_labels = generate(val.total, 1, d.resolution, d.threads)
     mean, std = channel_stats(train_images)
