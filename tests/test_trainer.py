@@ -315,6 +315,27 @@ def test_an_interrupted_runs_summary_and_curves_are_of_its_newest_checkpoint(tmp
     assert (tmp_path / "a" / "curves.png").read_bytes() != curves
 
 
+def test_a_checkpoints_summary_reports_the_newest_evaluation_and_when_this_process_reached_it(tmp_path):
+    """A checkpoint after an epoch that was not evaluated reported null results, and a time to
+    accuracy that ran to the end of that checkpoint's write; now the newest evaluation's
+    results and epoch, and this process's time to it, null where it has evaluated nothing."""
+    run = ["trainer.epochs=6", "trainer.eval_every=3"]
+
+    def summary_after(stop):
+        trainer = train(tmp_path, *run, f"trainer.stop_after_epoch={stop}",
+                        *([f"trainer.resume={tmp_path}"] if stop > 2 else []))
+        return trainer.history, json.loads((tmp_path / "summary.json").read_text())
+    history, summary = summary_after(2)
+    assert summary["val_epoch"] is summary["val_top1"] is summary["train_and_eval_s"] is None
+    history, summary = summary_after(4)
+    assert [row["epoch"] for row in history if "val_top1" in row] == [3] and summary["val_epoch"] == 3
+    assert summary["val_top1"] == history[2]["val_top1"] and summary["train_loss"] == history[3]["train_loss"]
+    assert 0 < summary["train_and_eval_s"] < summary["wall_s"]
+    history, summary = summary_after(5)
+    assert summary["val_epoch"] == 3 and summary["val_top1"] == history[2]["val_top1"]
+    assert summary["train_and_eval_s"] is None and summary["epochs"] == 5
+
+
 def test_an_interrupted_torchrun_job_is_told_to_continue_under_torchrun_with_its_processes(tmp_path, monkeypatch):
     """A resume in one process of a two-process job's checkpoint is refused (its epochs have
     half the steps), so the advice names the launch as well as the folder."""

@@ -234,8 +234,7 @@ class Trainer:
     def fit(self) -> dict:
         t = self.cfg.trainer
         epochs = math.ceil(t.epochs)
-        # the last epoch's row, which the summary reports: the checkpoint's if nothing is left to train
-        row, run_start, result_at = (self.history[-1] if self.history else {}), self._event(), None
+        run_start, result_at = self._event(), None
         pending = None  # the previous epoch's row: read once this epoch is queued behind it
         summary = None  # as of the newest checkpoint: a run always ends on one where it trained
         for epoch in range(self.start_epoch, self.start_epoch if self.stopped else epochs):
@@ -255,23 +254,24 @@ class Trainer:
             if evaluating:
                 evaluation = self.evaluate()
                 result_at = self._event()  # time to accuracy ends here, before any checkpoint is written
-            pending, row = None, {**result(), **evaluation}
-            self._record(row)
+            pending = None
+            self._record({**result(), **evaluation})
             if saving:
                 self.save(epoch + 1)
-                summary = self._write_summary(row, run_start, result_at)
+                summary = self._write_summary(run_start, result_at)
             if stopping and not last:
                 log.info("stopping after epoch %d as trainer.stop_after_epoch asks; continue with %s (which takes "
                          "this run's options from its checkpoint)", epoch + 1, continue_with(self.run_dir, self.dist.world))
                 break
         self.metrics.close()
-        return summary if summary is not None else self._write_summary(row, run_start, result_at)
+        return summary if summary is not None else self._write_summary(run_start, result_at)
 
-    def _write_summary(self, row: dict, run_start, result_at) -> dict:
-        """The run's summary up to `row`, written with its curves at each checkpoint, so that
-        an interrupted run's records are those of the checkpoint it resumes from; not over a
-        finished run's own by a resume that trains nothing (its timings would be of nothing)."""
-        summary = self.summary(row, self._elapsed(run_start, result_at if result_at is not None else self._event()))
+    def _write_summary(self, run_start, result_at) -> dict:
+        """The run's summary as of its newest epoch, written with its curves at each checkpoint,
+        so that an interrupted run's records are those of the checkpoint it resumes from; not
+        over a finished run's own by a resume that trains nothing (its timings would be of
+        nothing). run_start to result_at: this process's time to its last evaluation result."""
+        summary = self.summary(None if result_at is None else self._elapsed(run_start, result_at))
         if self.dist.is_main and (self.images or not (self.run_dir / "summary.json").exists()):
             write_summary(self.run_dir, summary)
             if self.history:
@@ -297,15 +297,19 @@ class Trainer:
         checkpoint.save(folder / f"epoch_{epochs_done:04d}.pt", self.arena, meta, per_rank)
         checkpoint.prune(folder, self.cfg.trainer.keep_checkpoints)
 
-    def summary(self, last_row: dict, run_seconds: float) -> dict:
+    def summary(self, result_seconds: float | None) -> dict:
+        """The newest evaluation's results (an epoch that was not evaluated has none) and the
+        newest epoch's training loss."""
         steps = int(self.arena.to_host_async(self.plans.main[B.STEP]).get()[0])
-        return {**{k: last_row.get(k) for k in ("val_top1", "val_top5", "val_loss", "train_loss")},
+        evaluated = next((row for row in reversed(self.history) if "val_top1" in row), {})
+        return {**{k: evaluated.get(k) for k in ("val_top1", "val_top5", "val_loss")}, "val_epoch": evaluated.get("epoch"),
+                "train_loss": self.history[-1].get("train_loss") if self.history else None,
                 "steps": steps, "epochs": round(steps / self.per_epoch, 3),  # 1.5 of trainer.epochs=1.5
                 "images_per_s": round(self.images / self.train_seconds, 1) if self.train_seconds else None,
                 "train_s": round(self.train_seconds, 3), "setup_s": round(self.setup_s, 3),
                 "setup_parts_s": self.setup_parts,
-                # first training step to last evaluation result: the time to accuracy
-                "train_and_eval_s": round(run_seconds, 3),
+                # this process's first training step to its last evaluation result: the time to accuracy
+                "train_and_eval_s": None if result_seconds is None else round(result_seconds, 3),
                 "wall_s": round(self.clock(), 3), "time_to_first_step_s": self.first_step_s,
                 "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
                 "world_size": self.dist.world, "graphs": self.executor.use_graphs,
