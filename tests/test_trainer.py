@@ -166,6 +166,25 @@ def test_ctrl_c_names_the_checkpoint_to_continue_from_which_resumes(tmp_path, se
     assert json.loads((tmp_path / "resumed" / "summary.json").read_text())["epochs"] == epoch + 1
 
 
+@pytest.mark.parametrize("sent, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl_c", "sigterm"])
+def test_the_signal_again_while_the_run_winds_down_ends_it_at_once_without_tracebacks(tmp_path, sent, status):
+    """A user pressing Ctrl-C twice: the second one, sent here every 10 ms until the process
+    is gone, broke into the unwinding or into DALI's exit and printed their tracebacks."""
+    with started(command(tmp_path / "run", "trainer.epochs=1000"), cwd=tmp_path, stdout=subprocess.PIPE,
+                 stderr=subprocess.STDOUT) as proc:
+        printed = ""
+        while "epoch 1 step" not in printed:
+            line = proc.stdout.readline()
+            assert line, printed
+            printed += line
+        while proc.poll() is None:
+            proc.send_signal(sent)
+            time.sleep(0.01)
+        printed += proc.communicate(timeout=60)[0]
+    assert proc.returncode == status, printed
+    assert "Traceback" not in printed and "Exception ignored" not in printed, printed
+
+
 # Ctrl-C as a module loads: one of run.py's imports, then one that Hydra imports as it composes
 @pytest.mark.parametrize("module", ["trainer.app", "omegaconf._impl"])
 def test_ctrl_c_before_the_run_starts_is_one_line(tmp_path, module):

@@ -324,8 +324,18 @@ class Terminated(BaseException):
     Ctrl-C raises KeyboardInterrupt, so that the run says where to continue from."""
 
 
-def _terminate(signum, frame):
-    raise Terminated
+def _interrupt(signum, frame):
+    """Ctrl-C, or SIGTERM where it is taken: the run unwinds and says where to continue from.
+    The same signal again, while it winds down (a data set still loading, DALI's exit), ends
+    the process at once, where it printed the tracebacks of whatever it broke into;
+    checkpoints are written whole or not at all, so those there are intact."""
+    signal.signal(signum, _exit_now)
+    raise KeyboardInterrupt if signum == signal.SIGINT else Terminated
+
+
+def _exit_now(signum, frame):
+    print("stopped at once", file=sys.stderr, flush=True)
+    os._exit(128 + signum)  # as a shell reports a signal: 130 for SIGINT, 143 for SIGTERM
 
 
 def main(dict_cfg: DictConfig):
@@ -333,8 +343,9 @@ def main(dict_cfg: DictConfig):
     try:
         cfg = validate(OmegaConf.to_object(dict_cfg))
         from trainer.dist import launched
+        signal.signal(signal.SIGINT, _interrupt)
         if not launched():  # under torchrun its agent stops the ranks, which may be waiting in a collective
-            signal.signal(signal.SIGTERM, _terminate)
+            signal.signal(signal.SIGTERM, _interrupt)
         MODES[cfg.mode](cfg, run_dir)
     except TrainerError as e:
         log.error("%s", e)
