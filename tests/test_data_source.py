@@ -111,3 +111,26 @@ def test_without_data_root_sizes_are_planned_without_reading_files(tmp_path, mon
         with pytest.raises(ConfigError, match="^data=imagefolder without data.root has no image count to plan for: "
                                               "give data.root=PATH, or data.train_size and data.val_size$"):
             dataset_sizes(DataConfig(name="imagefolder", **sizes))
+
+
+@pytest.mark.parametrize("padding, refused", [(31, False), (32, True), (40, True)])
+def test_a_crop_padding_as_wide_as_the_stored_images_is_refused(padding, refused):
+    """Training crops reflect their padding once, which reaches at most a side less one: at 40
+    on 32x32 images the indices went past the reflection (wrong pixels on the CPU, reads
+    outside the images on a GPU) without a word."""
+    import torch
+
+    from trainer.data.resident import ResidentSource
+    from trainer.errors import DataError
+    images, labels = torch.zeros((8, 32, 32, 3), dtype=torch.uint8), torch.zeros(8, dtype=torch.int32)
+
+    def source(augment):
+        return ResidentSource(images, labels, Shard(8, 4, 0, 1, augment, True), 10, [0.5] * 3, [0.25] * 3,
+                              DataConfig(name="cifar10", crop_padding=padding), 0, augment, None)
+    source(augment=False)  # evaluation does not crop
+    if refused:
+        with pytest.raises(DataError, match=rf"data.crop_padding={padding} is not smaller than the stored images "
+                                            r"\(32x32\), .* set data.crop_padding to at most 31"):
+            source(augment=True)
+    else:
+        source(augment=True)
