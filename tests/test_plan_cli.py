@@ -68,6 +68,13 @@ BAD = {
                                     "model.width=0: model=cifar_resnet needs a positive number of channels", True),
     # nan failed the comparisons and was called negative
     "step-factor-not-a-number": (["schedule.gamma=nan"], "schedule.gamma=nan is not a number", True),
+    # the learning rate climbed to 576x its peak (power=-2), or turned nan and the message blamed optimizer.lr
+    "poly-power-negative": (["schedule=poly", "schedule.power=-2"], "schedule.power=-2.0 must be positive", True),
+    # the loss is 0 whatever the weights and top-1 1.0: nothing trains, and the results say all is well
+    "one-class": (["data.num_classes=1"], "data.num_classes=1: a classifier needs at least 2 classes", True),
+    # fewer logits than classes: an index error in the loss; more: logits no label has, trained without a word
+    "model-classes-not-the-datas": (["model.num_classes=3"], "model.num_classes=3 with data.num_classes=10: the model "
+                                                             "has a logit for each of the data's classes", True),
     "milestone-not-a-number": (["schedule=step", "schedule.milestones=[0.5,nan]"],
                                "schedule.milestones=[0.5, nan]: nan is not a number of epochs", True),
 }

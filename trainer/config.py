@@ -94,7 +94,7 @@ class DataConfig:
     # imagefolder: look at both ends of every JPEG (or PNG under a .jpg name) before training (seconds per million files)
     # (false: a damaged file stops the run only when it is read, or crashes DALI's JPEG parser, a segfault)
     check_files: bool = True
-    seed_offset: int = 0
+    seed_offset: int = 0  # added to trainer.seed for the data's order and augmentation alone
     tta: int = 0  # evaluation views: 0 none, 1 flip, 2 flip and one-pixel translations
 
 
@@ -103,7 +103,7 @@ class TrainerConfig:
     epochs: float = 8.0  # fractional: the last epoch stops part way
     batch_size: int = 128  # per GPU
     val_batch_size: int = 0  # 0: batch_size; one larger than a rank's share of the evaluation set is that share, one batch
-    drop_last: bool = True
+    drop_last: bool = True  # training: leave out an epoch's last partial batch (evaluation always takes every example)
     seed: int = 0
     label_smoothing: float = 0.0
     lowres_epochs: int = 0  # progressive resizing: train these first epochs at lowres_resolution
@@ -217,7 +217,7 @@ _CHOICES = {
 _POSITIVE = ("model.logit_scale", "trainer.epochs", "trainer.batch_size", "data.resolution", "data.num_classes",
              "trainer.log_every", "optimizer.eps", "trainer.grad_scale_init", "trainer.grad_scale_growth_interval",
              "trainer.ema_every", "trainer.eval_every", "trainer.keep_checkpoints", "dist.deep_conv_buckets", "dist.timeout_s",
-             "bench.steps", "bench.profile_rows", "optimizer.newton_schulz_steps")
+             "bench.steps", "bench.profile_rows", "optimizer.newton_schulz_steps", "schedule.power")
 _NON_NEGATIVE = ("model.head_std", "optimizer.lr", "optimizer.muon_lr", "trainer.ema_warmup_power", "data.threads",
                  "optimizer.weight_decay", "optimizer.bias_lr_scale", "optimizer.lars_eta", "trainer.val_batch_size",
                  "trainer.lowres_epochs", "trainer.checkpoint_every",
@@ -371,6 +371,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for key in _CLOSED_FRACTIONS:
         if not 0 <= _get(cfg, key) <= 1:
             raise ConfigError(f"{key}={_get(cfg, key)} must lie in [0, 1]")
+    if cfg.data.num_classes < 2:  # one class: the loss is 0 whatever the weights, and top-1 is 1
+        raise ConfigError(f"data.num_classes={cfg.data.num_classes}: a classifier needs at least 2 classes")
+    if cfg.model.num_classes != cfg.data.num_classes:  # fewer: a label past the logits; more: logits no label has
+        raise ConfigError(f"model.num_classes={cfg.model.num_classes} with data.num_classes={cfg.data.num_classes}: the "
+                          f"model has a logit for each of the data's classes; set data.num_classes, which it follows")
     m = cfg.model  # the shape keys of the model named: torch would fail on them later, or warn and build no layer
     if m.name == "fastnet" and not (m.widths and min(m.widths) > 0):
         raise ConfigError(f"model.widths={m.widths}: model=fastnet needs one or more groups, each of a positive "
