@@ -1,4 +1,5 @@
 """JPEG class folders through DALI: labels, normalization, variants, and the error messages."""
+import io
 import math
 import os
 import shutil
@@ -201,6 +202,34 @@ def test_a_truncated_png_is_named_before_training(tree):
     png_as_jpg(bad, COLORS["mango"])
     bad.write_bytes(bad.read_bytes()[:-20])
     with pytest.raises(DataError, match=f"corrupt JPEG {bad}: no PNG end chunk \\(IEND\\): the file is truncated"):
+        build_sources(config(tree), CPU, 0, 1, None)
+
+
+def with_thumbnail(path: Path) -> None:
+    """The JPEG with an EXIF segment holding a thumbnail, which ends with an end marker of its own."""
+    thumbnail = io.BytesIO()
+    Image.new("RGB", (8, 8), (0, 0, 0)).save(thumbnail, format="JPEG")
+    exif = b"Exif\0\0" + thumbnail.getvalue()
+    data = path.read_bytes()
+    path.write_bytes(data[:2] + b"\xff\xe1" + (len(exif) + 2).to_bytes(2, "big") + exif + data[2:])
+
+
+def test_a_long_trailer_after_the_end_marker_passes_the_check_but_a_truncated_file_does_not(tree):
+    """Phone cameras append kilobytes after the end marker: such a JPEG is decoded whole to
+    tell it from a truncated one (whose EXIF thumbnail's marker would fool a search)."""
+    trailed = [tree / "train" / "apple" / "3.jpg", tree / "val" / "zebra" / "1.jpg"]
+    png_as_jpg(trailed[1], COLORS["zebra"])  # a PNG's IEND chunk too
+    for path in trailed:
+        path.write_bytes(path.read_bytes() + b"MotionPhoto_Data" + bytes(range(256)) * 16)
+    train, val = build_sources(config(tree, batch=15, val_batch=6), CPU, 0, 1, None)
+    for source, path, size in ((train, trailed[0], 15), (val, trailed[1], 6)):
+        (data, _, _), = serve(source, (size,), 24)
+        row = source.shard.epoch(source.seed, 0).examples.tolist().index(source.files.index(str(path)))
+        assert colors_of(data[row:row + 1]) == [COLORS[path.parent.name]]
+    bad = tree / "train" / "mango" / "2.jpg"
+    with_thumbnail(bad)
+    bad.write_bytes(bad.read_bytes()[:-40])  # cut inside the image's own data
+    with pytest.raises(DataError, match=f"corrupt JPEG {bad}: no JPEG end marker \\(FF D9\\): the file is truncated"):
         build_sources(config(tree), CPU, 0, 1, None)
 
 

@@ -10,7 +10,7 @@ import numpy as np
 from trainer.errors import DataError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg")  # compared lower-case
-_TAIL = 64  # bytes searched for the end marker: some writers pad after it
+_TAIL = 64  # bytes searched for the end marker: some writers pad after it (a file without is decoded)
 # DALI's decoder reads PNG too, and data sets hold PNGs under a .jpg name (ImageNet's
 # n02105855_2933.JPEG): the check takes a PNG whole from its signature to its IEND chunk.
 _PNG_START, _PNG_END = b"\x89PNG\r\n\x1a\n", b"IEND\xaeB\x60\x82"
@@ -63,26 +63,41 @@ def same_classes(train: str, classes: list[str], val: str, val_classes: list[str
                         f"same ones, or the labels would not match")
 
 
-def jpeg_problem(head: bytes, tail: bytes) -> str | None:
+def jpeg_problem(head: bytes, tail: bytes, whole) -> str | None:
     """What is wrong with a JPEG or PNG file that starts with `head` (its first 8 bytes) and
     ends with `tail`, if anything a look at its ends can tell (a truncated file has lost its
-    end marker)."""
+    end marker). A tail without it is looked at again in `whole()`, the file's bytes, as
+    phone cameras append trailers of kilobytes: a PNG's IEND chunk is searched for, a JPEG
+    decoded, as its EXIF thumbnail ends with an end marker of its own."""
     if not head:
         return "empty file (0 bytes)"
     if head.startswith(_PNG_START):
-        return None if _PNG_END in tail else "no PNG end chunk (IEND): the file is truncated"
+        if _PNG_END in tail or _PNG_END in whole():
+            return None
+        return "no PNG end chunk (IEND): the file is truncated"
     if head[:2] != b"\xff\xd8":
         return "no JPEG start marker (FF D8) or PNG signature: not a JPEG or PNG file"
-    if b"\xff\xd9" not in tail:
+    if b"\xff\xd9" not in tail and not _decodes(whole()):
         return "no JPEG end marker (FF D9): the file is truncated"
     return None
+
+
+def _decodes(data: bytes) -> bool:
+    """Whether PIL decodes the whole image: it raises on a truncated one."""
+    from PIL import Image
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            image.load()
+        return True
+    except Exception:  # PIL raises many kinds for a damaged image
+        return False
 
 
 def _file_problem(path: str) -> str | None:
     with open(path, "rb") as f:
         head = f.read(len(_PNG_START))
         f.seek(max(os.fstat(f.fileno()).st_size - _TAIL, 0))
-        return jpeg_problem(head, f.read())
+        return jpeg_problem(head, f.read(), Path(path).read_bytes)
 
 
 def corrupt(problems: list[tuple[str, str]]) -> DataError:
@@ -96,7 +111,8 @@ def corrupt(problems: list[tuple[str, str]]) -> DataError:
 
 
 def check_files(files: list[str], threads: int) -> None:
-    """Look at both ends of every file, `threads` at a time (a few seconds per million files)."""
+    """Look at both ends of every file, `threads` at a time (a few seconds per million files);
+    one whose end lacks the marker is decoded whole."""
     with ThreadPoolExecutor(threads) as pool:
         problems = [(path, why) for path, why in zip(files, pool.map(_file_problem, files, chunksize=256)) if why]
     if problems:
@@ -106,7 +122,7 @@ def check_files(files: list[str], threads: int) -> None:
 def check_bytes(names: list[str], encoded: list) -> None:
     """The same look for files already in memory (bytes or uint8 arrays)."""
     problems = [(name, why) for name, data in zip(names, encoded)
-                if (why := jpeg_problem(bytes(data[:len(_PNG_START)]), bytes(data[-_TAIL:])))]
+                if (why := jpeg_problem(bytes(data[:len(_PNG_START)]), bytes(data[-_TAIL:]), lambda: bytes(data)))]
     if problems:
         raise corrupt(problems)
 
