@@ -2,9 +2,9 @@
 import sys
 
 
-def interrupted() -> SystemExit:
-    print("interrupted", file=sys.stderr)  # before the run's folder has anything to continue from
-    return SystemExit(130)  # as a shell reports SIGINT
+def interrupted(what: str = "interrupted", status: int = 130) -> SystemExit:
+    print(what, file=sys.stderr)  # before the run's folder has anything to continue from, or between a sweep's jobs
+    return SystemExit(status)  # as a shell reports SIGINT (SIGTERM: 143)
 
 
 try:  # Ctrl-C while the imports load (a second or more) ends as it does once the run has started
@@ -29,3 +29,5 @@ if __name__ == "__main__":
         main()
     except KeyboardInterrupt:  # while Hydra composes the configuration, before app.main's own handling
         raise interrupted() from None
+    except app.Terminated:  # SIGTERM (app.main takes it) while Hydra writes a sweep's next job's folder
+        raise interrupted("terminated", 143) from None
