@@ -260,6 +260,17 @@ def test_test_class_folders_named_otherwise_than_trains_are_refused(tmp_path, pa
         build_sources(config(roots[1]), CPU, 0, 1, None)
 
 
+@pytest.mark.skipif(not Path("/proc/self/mem").exists(), reason="needs Linux's /proc/self/mem")
+def test_a_jpeg_that_cannot_be_read_is_named_with_the_reason(tmp_path):
+    root = jpeg_tree(tmp_path / "tree", CLASSES)
+    bad = root / "train" / "cat" / "bad.jpg"
+    bad.symlink_to("/proc/self/mem")  # its first page is unmapped: reading it fails with EIO, as a failing disk's
+    cfg = config(root)
+    cfg.data.train_size = N_TRAIN + 1  # every file, the bad one too
+    with pytest.raises(DataError, match=f"^cannot read {bad} \\(Input/output error\\): check the file"):
+        build_sources(cfg, CPU, 0, 1, None)
+
+
 @pytest.mark.skipif(not ARCHIVE.exists(), reason=f"{ARCHIVE} is absent (the shared CIFAR-10 JPEG archive)")
 def test_the_cifar10_jpeg_archive():
     cfg = TrainConfig(data=DataConfig(name="cifar10", root=str(ARCHIVE), train_size=1000, val_size=500),

@@ -233,6 +233,14 @@ def test_a_long_trailer_after_the_end_marker_passes_the_check_but_a_truncated_fi
         build_sources(config(tree), CPU, 0, 1, None)
 
 
+@pytest.mark.skipif(not Path("/proc/self/mem").exists(), reason="needs Linux's /proc/self/mem")
+def test_a_file_that_cannot_be_read_is_named_with_the_reason(tree):
+    bad = tree / "train" / "apple" / "bad.jpg"
+    bad.symlink_to("/proc/self/mem")  # its first page is unmapped: reading it fails with EIO, as a failing disk's
+    with pytest.raises(DataError, match=f"^cannot read {bad} \\(Input/output error\\): check the file"):
+        build_sources(config(tree), CPU, 0, 1, None)
+
+
 def test_a_file_dali_cannot_decode_is_named_when_its_batch_fails(tree):
     bad = tree / "train" / "mango" / "1.jpg"
     bad.write_bytes(b"\xff\xd8" + bytes(range(256)) * 4 + b"\xff\xd9")  # the ends look right

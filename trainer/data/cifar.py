@@ -17,7 +17,7 @@ import torch
 from trainer.config import DataConfig
 from trainer.data import decoded_cache
 from trainer.data.dali import decode_all
-from trainer.data.jpeg_files import IMAGE_SUFFIXES, check_bytes, find_split, list_split, same_classes
+from trainer.data.jpeg_files import IMAGE_SUFFIXES, check_bytes, find_split, list_split, read_error, same_classes
 from trainer.data.resident import ResidentSource
 from trainer.data.source import Shard, subset
 from trainer.data.tar import tar_files
@@ -102,11 +102,18 @@ def jpeg_splits(root: Path, members: dict[str, bytes] | None, d: DataConfig) -> 
     return {"train": (names, labels), "val": (val_names, val_labels)}
 
 
+def _read(path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise read_error(path, e) from None
+
+
 def from_jpegs(root: Path, split: str, names: list[str], labels: np.ndarray, n: int, asked: int,
                members: dict[str, bytes] | None, d: DataConfig) -> tuple[np.ndarray, np.ndarray]:
     keep = _keep(len(names), n, asked, split, root)
     names = [names[i] for i in keep]
-    encoded = [np.frombuffer(members[f] if members else Path(f).read_bytes(), np.uint8) for f in names]
+    encoded = [np.frombuffer(members[f] if members else _read(f), np.uint8) for f in names]
     shown = [f"{root}:{f}" for f in names] if members else names
     check_bytes(shown, encoded)
     return decode_all(shown, encoded, d.threads).numpy(), labels[keep]

@@ -93,11 +93,20 @@ def _decodes(data: bytes) -> bool:
         return False
 
 
+def read_error(path: str, error: OSError) -> DataError:
+    """A file that cannot be read (its permissions, a disk's I/O error), named with the OS's reason."""
+    return DataError(f"cannot read {path} ({error.strerror or error}): check the file and its permissions, "
+                     f"or delete it")
+
+
 def _file_problem(path: str) -> str | None:
-    with open(path, "rb") as f:
-        head = f.read(len(_PNG_START))
-        f.seek(max(os.fstat(f.fileno()).st_size - _TAIL, 0))
-        return jpeg_problem(head, f.read(), Path(path).read_bytes)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(_PNG_START))
+            f.seek(max(os.fstat(f.fileno()).st_size - _TAIL, 0))
+            return jpeg_problem(head, f.read(), Path(path).read_bytes)
+    except OSError as e:
+        raise read_error(path, e) from None
 
 
 def corrupt(problems: list[tuple[str, str]]) -> DataError:
