@@ -127,6 +127,14 @@ def test_peek(tree):
     assert len(set(colors_of(images.permute(0, 2, 3, 1)))) > 1  # epoch 0's shuffled order, not one class
 
 
+def test_a_file_name_that_is_not_utf8_is_read(tree):
+    latin1 = tree / "train" / "apple" / os.fsdecode(b"\xe9t\xe9.jpg")  # as an old camera or Windows may name it
+    shutil.copy(tree / "train" / "apple" / "0.jpg", latin1)
+    train, _ = build_sources(config(tree, batch=16), CPU, 0, 1, None)
+    (data, label, _), = serve(train, (16,), 24)
+    assert str(latin1) in train.files and label.tolist() == [LABEL_OF_COLOR[c] for c in colors_of(data)]
+
+
 def test_class_count_must_match(tree):
     with pytest.raises(DataError, match=r"has 3 class folders \(apple, mango, zebra\) but data.num_classes=1000; set data.num_classes=3"):
         build_sources(config(tree, num_classes=1000), CPU, 0, 1, None)

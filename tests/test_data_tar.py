@@ -1,6 +1,7 @@
 """Archives read in memory: the tar reader against the standard library's, and CIFAR-10's
 JPEG tree read from its archive as from its folder."""
 import io
+import os
 import tarfile
 from pathlib import Path
 
@@ -20,7 +21,7 @@ LONG = "train/" + "a-long-class-name-" * 6 + "/" + "an-even-longer-file-name-" *
 
 def archive(fmt: int, compress: bool) -> bytes:
     """Files of sizes around block boundaries, an empty one, a long path, a non-ASCII name,
-    a directory and a link."""
+    one that is not UTF-8, a directory and a link."""
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w:gz" if compress else "w", format=fmt) as tar:
         def add(name, data=None, kind=tarfile.REGTYPE):
@@ -36,6 +37,7 @@ def archive(fmt: int, compress: bool) -> bytes:
         add("train/empty.jpg", b"")
         add(LONG, b"long")
         add("train/grenouille-\u00e9t\u00e9.jpg", b"frog")
+        add(os.fsdecode(b"train/\xe9t\xe9.jpg"), b"latin-1")  # a name in Latin-1, not UTF-8
         add("train/link.jpg", kind=tarfile.SYMTYPE)
     return buffer.getvalue()
 
@@ -46,7 +48,7 @@ def test_tar_files_reads_what_tarfile_reads(fmt, compress):
     data = archive(fmt, compress)
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         expected = {m.name: tar.extractfile(m).read() for m in tar if m.isfile()}
-    assert LONG in expected and len(expected) == 8
+    assert LONG in expected and len(expected) == 9
     assert tar_files(data) == expected
 
 

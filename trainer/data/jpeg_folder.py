@@ -24,6 +24,7 @@ crops alike. On an H200 they cost the loader alone 31% of its images/s, and trai
 none of its speed (docs/BENCHMARKS.md, session V), but they are left to deterministic runs.
 """
 import math
+import os
 from functools import partial
 from pathlib import Path
 
@@ -79,7 +80,8 @@ class JpegFolderSource(DaliSource):
                  seed: int, device: torch.device, half: torch.dtype | None, augment: bool):
         super().__init__(shard, num_classes, IMAGENET_MEAN, IMAGENET_STD, d, seed, device, half, augment)
         self.files, self.labels = files, labels
-        self.paths = [np.frombuffer(f.encode(), np.uint8) for f in files]  # as fn.io.file.read takes them
+        # as fn.io.file.read takes them: the bytes of the name on disk, which need not be UTF-8
+        self.paths = [np.frombuffer(os.fsencode(f), np.uint8) for f in files]
         self.host_crops = augment and torch.are_deterministic_algorithms_enabled()
 
     @property

@@ -19,6 +19,12 @@ def _number(field: bytes) -> int:
     return int(field.strip(b"\0 ") or b"0", 8)
 
 
+def _text(name: bytes) -> str:
+    """A member's name: UTF-8, where bytes that are not (a Latin-1 name) keep their place as
+    surrogates, as tarfile and os.listdir read them, rather than refuse the archive."""
+    return name.decode("utf-8", "surrogateescape")
+
+
 def _pax_path(records: bytes) -> str | None:
     """The path in a pax extended header ("<length> <key>=<value>\\n" records), if any."""
     pos = 0
@@ -26,7 +32,7 @@ def _pax_path(records: bytes) -> str | None:
         length = int(records[pos:records.index(b" ", pos)])
         key, _, value = records[records.index(b" ", pos) + 1:pos + length - 1].partition(b"=")
         if key == b"path":
-            return value.decode("utf-8")
+            return _text(value)
         pos += length
     return None
 
@@ -49,13 +55,13 @@ def tar_files(archive: bytes) -> dict[str, bytes]:
             raise ValueError(f"the archive ends inside its member at byte {pos}")
         pos += BLOCK + -(-size // BLOCK) * BLOCK
         if kind == b"L":  # GNU: the next member's long name
-            next_name = body.rstrip(b"\0").decode("utf-8")
+            next_name = _text(body.rstrip(b"\0"))
         elif kind == b"x":  # pax: the next member's attributes, perhaps its path
             next_name = _pax_path(body) or next_name
         elif kind in FILE_TYPES:
-            name = header[:100].split(b"\0", 1)[0].decode("utf-8")
+            name = _text(header[:100].split(b"\0", 1)[0])
             prefix = header[345:500].split(b"\0", 1)[0] if header[257:262] == b"ustar" else b""
-            files[next_name or (prefix.decode("utf-8") + "/" + name if prefix else name)] = body
+            files[next_name or (_text(prefix) + "/" + name if prefix else name)] = body
             next_name = None
         else:  # directories, links, global pax headers: nothing to read
             next_name = None
