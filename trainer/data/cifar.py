@@ -116,7 +116,11 @@ def from_jpegs(root: Path, split: str, names: list[str], labels: np.ndarray, n: 
     encoded = [np.frombuffer(members[f] if members else _read(f), np.uint8) for f in names]
     shown = [f"{root}:{f}" for f in names] if members else names
     check_bytes(shown, encoded)
-    return decode_all(shown, encoded, d.threads).numpy(), labels[keep]
+    images = decode_all(shown, encoded, d.threads).numpy()
+    if images.shape[1:3] != (32, 32):  # the source and the decode cache keep CIFAR-10's size
+        raise DataError(f"{shown[0]} is {images.shape[2]}x{images.shape[1]} pixels, but data=cifar10 reads "
+                        f"CIFAR-10's 32x32 images: use data=imagefolder for images of other sizes")
+    return images, labels[keep]
 
 
 def decode(root: Path, raw: bytes | None, d: DataConfig, sizes: dict[str, int]) -> dict[str, np.ndarray]:
