@@ -21,14 +21,13 @@ LONG = "train/" + "a-long-class-name-" * 6 + "/" + "an-even-longer-file-name-" *
 
 def archive(fmt: int, compress: bool) -> bytes:
     """Files of sizes around block boundaries, an empty one, a long path, a non-ASCII name,
-    one that is not UTF-8, a directory and a link."""
+    one that is not UTF-8, a directory, and links: hard and symbolic ones to files (one
+    through another link, one to the long path), and a symbolic one to nothing."""
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w:gz" if compress else "w", format=fmt) as tar:
-        def add(name, data=None, kind=tarfile.REGTYPE):
+        def add(name, data=None, kind=tarfile.REGTYPE, target=""):
             info = tarfile.TarInfo(name)
-            info.type = kind
-            if kind == tarfile.SYMTYPE:
-                info.linkname = "train/a.jpg"
+            info.type, info.linkname = kind, target
             info.size = len(data or b"")
             tar.addfile(info, io.BytesIO(data) if data else None)
         add("train", kind=tarfile.DIRTYPE)
@@ -38,17 +37,30 @@ def archive(fmt: int, compress: bool) -> bytes:
         add(LONG, b"long")
         add("train/grenouille-\u00e9t\u00e9.jpg", b"frog")
         add(os.fsdecode(b"train/\xe9t\xe9.jpg"), b"latin-1")  # a name in Latin-1, not UTF-8
-        add("train/link.jpg", kind=tarfile.SYMTYPE)
+        add("train/hard.jpg", kind=tarfile.LNKTYPE, target="train/3.jpg")
+        add("train/sub/symbolic.jpg", kind=tarfile.SYMTYPE, target="../hard.jpg")  # from its own folder
+        if fmt != tarfile.USTAR_FORMAT:  # ustar holds link targets of 100 bytes at most
+            add("train/long-link.jpg", kind=tarfile.SYMTYPE, target=LONG[len("train/"):])
+        add("train/dangling.jpg", kind=tarfile.SYMTYPE, target="train/a.jpg")  # train/train/a.jpg: none
     return buffer.getvalue()
 
 
 @pytest.mark.parametrize("compress", [False, True], ids=["tar", "tgz"])
 @pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT], ids=["ustar", "gnu", "pax"])
 def test_tar_files_reads_what_tarfile_reads(fmt, compress):
+    """Links included: unpacked, each reads as its target (a folder with a hard link gave one
+    image more than its archive)."""
     data = archive(fmt, compress)
+    expected = {}
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-        expected = {m.name: tar.extractfile(m).read() for m in tar if m.isfile()}
-    assert LONG in expected and len(expected) == 9
+        for member in tar:
+            if member.isfile() or member.issym() or member.islnk():
+                try:
+                    expected[member.name] = tar.extractfile(member).read()
+                except KeyError:  # a link to nothing in the archive
+                    pass
+    assert expected["train/sub/symbolic.jpg"] == expected["train/3.jpg"] and "train/dangling.jpg" not in expected
+    assert LONG in expected and len(expected) == (11 if fmt == tarfile.USTAR_FORMAT else 12)
     assert tar_files(data) == expected
 
 
