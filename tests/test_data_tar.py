@@ -111,6 +111,27 @@ def test_the_jpeg_tree_reads_the_same_from_its_archive_and_its_folder(tmp_path):
     assert np.abs(val_images.numpy().astype(int) - expected).max() <= 2
 
 
+def test_a_tree_with_test_and_val_folders_reads_test_alone_from_its_archive_as_from_its_folder(tmp_path):
+    """The archive merged both, where the folder reader takes test/ (a label per folder order
+    of 12 images where the folder gave 6)."""
+    jpeg_tree(tmp_path / "tree")
+    for name in ("cat", "airplane", "frog"):
+        (tmp_path / "tree" / "val" / name).mkdir(parents=True)
+        Image.new("RGB", (32, 32), (255, 255, 255)).save(tmp_path / "tree" / "val" / name / "white.jpg")
+    with tarfile.open(tmp_path / "cifar.tgz", "w:gz") as tar:
+        tar.add(tmp_path / "tree", arcname="cifar10")
+    loaded = []
+    for root in (tmp_path / "tree", tmp_path / "cifar.tgz"):
+        cfg = TrainConfig(data=DataConfig(name="cifar10", root=str(root), num_classes=3, train_size=12, val_size=9),
+                          trainer=TrainerConfig(batch_size=4))
+        with pytest.raises(DataError, match="holds 6 val images, fewer than the data.val_size=9 asked for"):
+            build_sources(cfg, CPU, 0, 1, None)
+        cfg.data.val_size = 6
+        _, val = build_sources(cfg, CPU, 0, 1, None)
+        loaded.append(val.images)
+    assert torch.equal(*loaded) and loaded[1].float().mean() < 200  # test/'s noise, no white val/ image
+
+
 def test_an_archive_of_fewer_jpegs_than_asked_for_names_the_size_asked_for(tmp_path):
     jpeg_tree(tmp_path / "tree")
     with tarfile.open(tmp_path / "cifar.tgz", "w:gz") as tar:

@@ -82,8 +82,11 @@ def jpeg_list(root: Path, split: str, members: dict[str, bytes] | None):
     if members is None:
         return list_split(find_split(root, SPLIT_DIRS[split]))
     # member names are "/"-separated; str.split, as PurePosixPath costs a second per 60,000 names
-    names = sorted(n for n in members if n.lower().endswith(IMAGE_SUFFIXES)
-                   and n.count("/") >= 2 and n.split("/")[-3] in SPLIT_DIRS[split])
+    images = [n for n in members if n.lower().endswith(IMAGE_SUFFIXES) and n.count("/") >= 2]
+    # the first of the split's folders the archive holds, as find_split takes in a tree (test/, not val/ too)
+    held = {n.split("/")[-3] for n in images}
+    folder = next((f for f in SPLIT_DIRS[split] if f in held), None)
+    names = sorted(n for n in images if n.split("/")[-3] == folder)
     if not names:
         raise DataError(f"no {SPLIT_DIRS[split][0]}/<class>/*.jpg in the archive {root}: data.root must be "
                         f"a .tgz of the CIFAR-10 JPEG tree or of cifar-10-batches-py")
