@@ -160,8 +160,36 @@ def test_missing_directories(tree, tmp_path):
 def test_empty_class_folder(tree):
     for f in (tree / "val" / "mango").iterdir():
         f.unlink()
-    with pytest.raises(DataError, match=f"empty class folder {tree / 'val' / 'mango'}"):
+    with pytest.raises(DataError, match=f"empty class folder {tree / 'val' / 'mango'}: it holds no .jpg/.jpeg/.png "
+                                        f"file; add its images or remove the folder$"):
         build_sources(config(tree), CPU, 0, 1, None)
+
+
+def test_an_empty_class_folder_names_what_it_holds_instead(tree):
+    """Images in a class folder's subfolders are not read: the message says so, where it
+    named no reason."""
+    (tree / "train" / "apple" / "2024").mkdir()
+    for f in (tree / "train" / "apple").glob("*.jpg"):
+        f.rename(tree / "train" / "apple" / "2024" / f.name)
+    (tree / "train" / "apple" / "notes.txt").write_text("")
+    with pytest.raises(DataError, match=f"empty class folder {tree / 'train' / 'apple'}: it holds no .jpg/.jpeg/.png "
+                                        f"file but 2024/, notes.txt \\(images in its subfolders are not read\\)"):
+        build_sources(config(tree), CPU, 0, 1, None)
+
+
+def test_png_files_are_read_as_jpegs_are(tree):
+    """DALI's decoders read PNG: a class folder of .png files was empty to the reader."""
+    pngs = []
+    for folder in (tree / "train" / "apple", tree / "val" / "zebra"):
+        for jpeg in list(folder.glob("*.jpg")):
+            jpeg.unlink()
+            pngs.append(jpeg.with_suffix(".png"))
+            Image.new("RGB", (44, 40), COLORS[folder.name]).save(pngs[-1])
+    train, val = build_sources(config(tree, batch=15, val_batch=6), CPU, 0, 1, None)
+    assert {str(p) for p in pngs} <= set(train.files + val.files)
+    for source, size in ((train, 15), (val, 6)):
+        (data, label, _), = serve(source, (size,), 24)
+        assert label.tolist() == [LABEL_OF_COLOR[c] for c in colors_of(data)]
 
 
 @pytest.mark.parametrize("content, why", [

@@ -1,4 +1,4 @@
-"""JPEG files in class folders: listing them with their labels, and cheap checks that turn a
+"""JPEG (and PNG) files in class folders: listing them with their labels, and cheap checks that turn a
 bad file into a message naming it before training starts."""
 import io
 import os
@@ -9,7 +9,7 @@ import numpy as np
 
 from trainer.errors import DataError
 
-IMAGE_SUFFIXES = (".jpg", ".jpeg")  # compared lower-case
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")  # compared lower-case; DALI's image decoders read PNG too
 _TAIL = 64  # bytes searched for the end marker: some writers pad after it (a file without is decoded)
 # DALI's decoder reads PNG too, and data sets hold PNGs under a .jpg name (ImageNet's
 # n02105855_2933.JPEG): the check takes a PNG whole from its signature to its IEND chunk.
@@ -42,8 +42,11 @@ def list_split(folder: Path) -> tuple[list[str], np.ndarray, list[str]]:
     for k, name in enumerate(classes):
         jpegs = sorted(e.name for e in os.scandir(folder / name)
                        if e.is_file() and e.name.lower().endswith(IMAGE_SUFFIXES))
-        if not jpegs:
-            raise DataError(f"empty class folder {folder / name}: it holds no .jpg/.jpeg file; "
+        if not jpegs:  # what it holds instead: images in subfolders are not read (not a class's)
+            held = sorted(e.name + "/" if e.is_dir() else e.name for e in os.scandir(folder / name))
+            found = f" but {', '.join(held[:4])}{' ...' if len(held) > 4 else ''}" if held else ""
+            subfolders = " (images in its subfolders are not read)" if any(h.endswith("/") for h in held) else ""
+            raise DataError(f"empty class folder {folder / name}: it holds no .jpg/.jpeg/.png file{found}{subfolders}; "
                             f"add its images or remove the folder")
         files += [str(folder / name / f) for f in jpegs]
         labels += [k] * len(jpegs)

@@ -1,4 +1,4 @@
-"""Folders of JPEGs per class (root/train/<class>/*.jpg, root/val/<class>/*.jpg) through DALI.
+"""Folders of JPEGs (or PNGs) per class (root/train/<class>/*.jpg, root/val/<class>/*.jpg) through DALI.
 
 Training: random-resized crop (decoded only inside the crop) and flip; evaluation: resize
 the short side to resolution * data.val_resize and take the center. The host feeds the
