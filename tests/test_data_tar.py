@@ -65,17 +65,26 @@ def test_tar_files_reads_what_tarfile_reads(fmt, compress):
 
 
 def test_a_damaged_or_truncated_archive_is_refused_with_its_path(tmp_path):
+    """As damaged, with the advice to copy it again: a truncated download was told that
+    data.root must be a .tgz of the tree, which it was. A file that is no archive is told so."""
     data = bytearray(archive(tarfile.GNU_FORMAT, compress=False))
     data[3 * 512 + 130] ^= 0x01  # a bit of the second file's size: its header's checksum no longer holds
     damaged, truncated, cut = tmp_path / "damaged.tar", tmp_path / "truncated.tgz", tmp_path / "cut.tar"
     damaged.write_bytes(bytes(data))
     truncated.write_bytes(archive(tarfile.GNU_FORMAT, compress=True)[:-100])
     cut.write_bytes(bytes(data[:3 * 512]))  # between two members: what is left reads as a shorter archive
-    for path, why in ((damaged, "damaged tar header at byte 1536"), (truncated, ""),
+    for path, why in ((damaged, "damaged tar header at byte 1536"), (truncated, "its gzip stream: Compressed file ended"),
                       (cut, "ends at byte 1536 without its end-of-archive blocks")):
         cfg = TrainConfig(data=DataConfig(name="cifar10", root=str(path)), trainer=TrainerConfig(batch_size=4))
-        with pytest.raises(DataError, match=f"cannot read the archive {path} .*{why}"):
+        with pytest.raises(DataError, match=f"^the archive {path} is damaged or truncated \\(.*{why}.*\\): "
+                                            f"download or copy it again$"):
             build_sources(cfg, CPU, 0, 1, None)
+    text = tmp_path / "notes.tgz"
+    text.write_bytes(b"not an archive\n" * 100)
+    cfg = TrainConfig(data=DataConfig(name="cifar10", root=str(text)), trainer=TrainerConfig(batch_size=4))
+    with pytest.raises(DataError, match=f"^cannot read the archive {text} \\(.*\\): data.root must be a .tgz/.tar of "
+                                        f"the CIFAR-10 JPEG tree"):
+        build_sources(cfg, CPU, 0, 1, None)
 
 
 def jpeg_tree(root: Path) -> dict[str, np.ndarray]:

@@ -8,7 +8,6 @@ archive decodes to is kept in data.decode_cache, named by the archive's content
 (decoded_cache.py).
 """
 import pickle
-import zlib
 from pathlib import Path, PurePosixPath
 
 import numpy as np
@@ -20,7 +19,7 @@ from trainer.data.dali import decode_all
 from trainer.data.jpeg_files import IMAGE_SUFFIXES, check_bytes, find_split, list_split, read_error, same_classes
 from trainer.data.resident import ResidentSource
 from trainer.data.source import Shard, subset
-from trainer.data.tar import tar_files
+from trainer.data.tar import Damaged, tar_files
 from trainer.errors import DataError
 
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
@@ -34,7 +33,9 @@ def read_archive(path: Path, raw: bytes) -> dict[str, bytes]:
     """The JPEGs and python batches in an archive (its bytes `raw`), by member path."""
     try:
         files = tar_files(raw)
-    except (ValueError, OSError, EOFError, zlib.error) as e:
+    except Damaged as e:  # an archive all the same: not the wrong file, but a bad copy of it
+        raise DataError(f"the archive {path} is damaged or truncated ({e}): download or copy it again") from None
+    except ValueError as e:
         raise DataError(f"cannot read the archive {path} ({e}): data.root must be a .tgz/.tar of the "
                         f"CIFAR-10 JPEG tree or of cifar-10-batches-py, or a folder of either") from None
     return {name: data for name, data in files.items()

@@ -10,12 +10,19 @@ a folder is no file there either.
 """
 import gzip
 import posixpath
+import zlib
 
 BLOCK = 512
 GZIP_MAGIC = b"\x1f\x8b"
 FILE_TYPES = (b"0", b"\0", b"7")  # regular, old-style regular, contiguous
 HARD_LINK, SYMLINK = b"1", b"2"
 MAX_HOPS = 32  # links followed from a link before it counts as a loop
+
+
+class Damaged(ValueError):
+    """An archive cut short or with changed bytes (its gzip stream, a header after the first,
+    a member's contents): raised apart from a file that is no tar archive at all, whose
+    first header does not check out."""
 
 
 def _number(field: bytes) -> int:
@@ -60,20 +67,24 @@ def _resolve(files: dict[str, bytes], links: list[tuple[str, str]]) -> None:
 def tar_files(archive: bytes) -> dict[str, bytes]:
     """{path: contents} of the regular files in a tar archive, gzip-compressed or not, and of
     the links to them."""
-    data = gzip.decompress(archive) if archive[:2] == GZIP_MAGIC else archive
+    try:
+        data = gzip.decompress(archive) if archive[:2] == GZIP_MAGIC else archive
+    except (EOFError, OSError, zlib.error) as e:  # cut short, a failed CRC, damaged deflate data
+        raise Damaged(f"its gzip stream: {e}") from None
     files, links, pos, next_name, next_link = {}, [], 0, None, None
     while True:
         header = data[pos:pos + BLOCK]
+        error = Damaged if pos else ValueError  # past the first header, it is a tar archive
         if len(header) < BLOCK:  # cut between members, or inside a header
-            raise ValueError(f"the archive ends at byte {len(data)} without its end-of-archive blocks")
+            raise error(f"the archive ends at byte {len(data)} without its end-of-archive blocks")
         if header[0] == 0 and not header.strip(b"\0"):
             break  # the end-of-archive blocks
         if sum(header) - sum(header[148:156]) + 8 * ord(" ") != _number(header[148:156]):
-            raise ValueError(f"damaged tar header at byte {pos}")
+            raise error(f"damaged tar header at byte {pos}")
         size, kind = _number(header[124:136]), header[156:157]
         body = data[pos + BLOCK:pos + BLOCK + size]
         if len(body) < size:
-            raise ValueError(f"the archive ends inside its member at byte {pos}")
+            raise Damaged(f"the archive ends inside its member at byte {pos}")
         pos += BLOCK + -(-size // BLOCK) * BLOCK
         if kind == b"L":  # GNU: the next member's long name
             next_name = _text(body.rstrip(b"\0"))
