@@ -133,6 +133,9 @@ def test_a_file_name_that_is_not_utf8_is_read(tree):
     train, _ = build_sources(config(tree, batch=16), CPU, 0, 1, None)
     (data, label, _), = serve(train, (16,), 24)
     assert str(latin1) in train.files and label.tolist() == [LABEL_OF_COLOR[c] for c in colors_of(data)]
+    latin1.write_bytes(latin1.read_bytes()[:100])  # its message names it as a log stream can write it
+    with pytest.raises(DataError, match=f"corrupt JPEG {tree / 'train' / 'apple'}/\\\\xe9t\\\\xe9.jpg: no JPEG end marker"):
+        build_sources(config(tree, batch=16), CPU, 0, 1, None)
 
 
 def test_class_count_must_match(tree):

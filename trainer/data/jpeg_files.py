@@ -16,6 +16,12 @@ _TAIL = 64  # bytes searched for the end marker: some writers pad after it (a fi
 _PNG_START, _PNG_END = b"\x89PNG\r\n\x1a\n", b"IEND\xaeB\x60\x82"
 
 
+def printable(path) -> str:
+    """A path for a message: bytes of a name that are not UTF-8 (held as surrogates, as
+    os.fsdecode gives them) written as \\xNN, since a log stream refuses the surrogates."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
 def find_split(root: Path, names: tuple[str, ...]) -> Path:
     """The first of root/<name> that exists (CIFAR's tree calls its val split "test")."""
     if not root.exists():
@@ -46,7 +52,7 @@ def list_split(folder: Path) -> tuple[list[str], np.ndarray, list[str]]:
             held = sorted(e.name + "/" if e.is_dir() else e.name for e in os.scandir(folder / name))
             found = f" but {', '.join(held[:4])}{' ...' if len(held) > 4 else ''}" if held else ""
             subfolders = " (images in its subfolders are not read)" if any(h.endswith("/") for h in held) else ""
-            raise DataError(f"empty class folder {folder / name}: it holds no .jpg/.jpeg/.png file{found}{subfolders}; "
+            raise DataError(f"empty class folder {printable(folder / name)}: it holds no .jpg/.jpeg/.png file{found}{subfolders}; "
                             f"add its images or remove the folder")
         files += [str(folder / name / f) for f in jpegs]
         labels += [k] * len(jpegs)
@@ -98,7 +104,7 @@ def _decodes(data: bytes) -> bool:
 
 def read_error(path: str, error: OSError) -> DataError:
     """A file that cannot be read (its permissions, a disk's I/O error), named with the OS's reason."""
-    return DataError(f"cannot read {path} ({error.strerror or error}): check the file and its permissions, "
+    return DataError(f"cannot read {printable(path)} ({error.strerror or error}): check the file and its permissions, "
                      f"or delete it")
 
 
@@ -115,6 +121,7 @@ def _file_problem(path: str) -> str | None:
 def corrupt(problems: list[tuple[str, str]]) -> DataError:
     """One message for every damaged file found, so that one run finds them all (the first
     ten named)."""
+    problems = [(printable(name), why) for name, why in problems]
     if len(problems) == 1:
         return DataError(f"corrupt JPEG {problems[0][0]}: {problems[0][1]}; replace the file or delete it")
     shown = "; ".join(f"{name}: {why}" for name, why in problems[:10])
