@@ -16,7 +16,8 @@ import torch
 from trainer.config import DataConfig
 from trainer.data import decoded_cache
 from trainer.data.dali import decode_all
-from trainer.data.jpeg_files import IMAGE_SUFFIXES, check_bytes, find_split, list_split, read_error, same_classes
+from trainer.data.jpeg_files import (IMAGE_SUFFIXES, check_bytes, find_split, list_split, printable, read_error,
+                                     same_classes)
 from trainer.data.resident import ResidentSource
 from trainer.data.source import Shard, subset
 from trainer.data.tar import Damaged, tar_files
@@ -122,7 +123,7 @@ def from_jpegs(root: Path, split: str, names: list[str], labels: np.ndarray, n: 
     check_bytes(shown, encoded)
     images = decode_all(shown, encoded, d.threads).numpy()
     if images.shape[1:3] != (32, 32):  # the source and the decode cache keep CIFAR-10's size
-        raise DataError(f"{shown[0]} is {images.shape[2]}x{images.shape[1]} pixels, but data=cifar10 reads "
+        raise DataError(f"{printable(shown[0])} is {images.shape[2]}x{images.shape[1]} pixels, but data=cifar10 reads "
                         f"CIFAR-10's 32x32 images: use data=imagefolder for images of other sizes")
     return images, labels[keep]
 
