@@ -1450,3 +1450,97 @@ def test_ctrl_c_during_the_benchmark_is_one_line(tmp_path, sent, status, said):
         printed += proc.communicate(timeout=60)[0]
     assert proc.returncode == status, printed
     assert said in printed and "terminate called" not in printed and "Traceback" not in printed, printed
+
+
+def test_a_failed_evaluation_keeps_the_epoch_it_followed_in_a_checkpoint(tmp_path, monkeypatch):
+    """A validation image found damaged (data.check_files=false) ended the run before the
+    epoch just trained was saved: a resume trained it again. Now its checkpoint is written,
+    with its training row, and under EMA with the live weights, not the EMA weights evaluation
+    swaps in: a resume after the data is mended ends as an uninterrupted run."""
+    from trainer.errors import DataError
+    from trainer.loop import Trainer
+    common = ["trainer.epochs=3", "ema=true", "deterministic=true"]
+    straight = train(tmp_path / "straight", *common)
+    run_steps = Trainer.run_steps
+
+    def a_damaged_val_image(self, steps, source, on_step=None):
+        if source is self.val_source:
+            raise DataError("cannot decode val/img_7.JPEG: the file is damaged")
+        return run_steps(self, steps, source, on_step)
+    monkeypatch.setattr(Trainer, "run_steps", a_damaged_val_image)
+    with pytest.raises(DataError, match="cannot decode"):
+        train(tmp_path / "a", *common)
+    written = checkpoint.read(tmp_path / "a" / "checkpoints")["meta"]
+    assert written["epoch"] == 1 and [set(row) for row in written["history"]] == [
+        {"epoch", "train_loss", "train_top1", "train_top5"}]
+    monkeypatch.undo()
+    resumed = train(tmp_path / "a", *common, f"trainer.resume={tmp_path / 'a'}")
+    assert [row["epoch"] for row in resumed.history] == [1, 2, 3]
+    assert_same_state(persistent_state(resumed.arena), persistent_state(straight.arena))
+
+
+def test_a_resume_after_the_training_set_changed_says_so_not_which_options_differ(tmp_path, monkeypatch):
+    """Images added to the data set (data.train_size=0: all of them) make more steps an
+    epoch; the refusal blamed the batch size, data.train_size, drop_last or the ranks, none
+    of which differed. A checkpoint written before the size was kept, or another
+    data.train_size, keeps the list of options."""
+    from trainer.loop import Trainer
+    all_of_them = ["data.train_size=0", "data.val_size=128", "trainer.batch_size=32", "trainer.epochs=2"]
+    monkeypatch.setattr("trainer.data._SYNTHETIC_DEFAULT", (384, 128))
+    train(tmp_path / "a", *all_of_them, "trainer.stop_after_epoch=1")
+    monkeypatch.setattr("trainer.data._SYNTHETIC_DEFAULT", (512, 128))  # 128 images added
+    resume = f"trainer.resume={tmp_path / 'a'}"
+    with pytest.raises(ConfigError, match=r"trained in epochs of 12 steps, and this run's have 16: its training set "
+                                          r"had 384 examples and this run's has 512: the data set changed; "
+                                          r"restore it, or start a new run$"):
+        Trainer(config(*all_of_them, resume), tmp_path / "a", Dist())
+    with pytest.raises(ConfigError, match="have 16: trainer.batch_size, data.train_size, trainer.drop_last"):
+        Trainer(config(*all_of_them[1:], "data.train_size=512", resume), tmp_path / "a", Dist())
+    path = find_checkpoint(tmp_path / "a")
+    payload = torch.load(path, weights_only=True)
+    del payload["meta"]["train_examples"]  # as written before it was kept
+    torch.save(payload, path)
+    with pytest.raises(ConfigError, match="have 16: trainer.batch_size, data.train_size, trainer.drop_last"):
+        Trainer(config(*all_of_them, resume), tmp_path / "a", Dist())
+
+
+def test_a_resume_on_other_schedule_options_says_where_the_learning_rate_moves_from_the_checkpoints(tmp_path, caplog):
+    """The learning rate before the resume was computed with this run's schedule options,
+    not the checkpoint's ("0.5 of its peak, where it was 0.5" for a cosine that was at
+    0.854), and a change of the schedule alone (schedule=constant) was not said at all."""
+    from trainer.loop import Trainer
+    train(tmp_path / "a", "trainer.epochs=4", "trainer.stop_after_epoch=1")
+
+    def warned(*overrides):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="trainer"):
+            Trainer(config(*TINY, *overrides, f"trainer.resume={tmp_path / 'a'}"), tmp_path / "a", Dist())
+        return caplog.text
+    # the cosine over 64 steps is at 0.854 of its peak after 16; two epochs of warm-up reach 0.5 of it
+    assert re.search(r"trained on a schedule of 64 steps and this run's has 128 \(another trainer.epochs\) and "
+                     r"schedule.warmup_epochs=2.0 \(was 0.0\): the learning rate at step 16 is 0.5 of its peak, "
+                     r"where it was 0.854", warned("trainer.epochs=8", "schedule.warmup_epochs=2"))
+    assert re.search(r"trained on another schedule: this run's schedule.name=constant \(was cosine\): the learning "
+                     r"rate at step 16 is 1 of its peak, where it was 0.854",
+                     warned("trainer.epochs=4", "schedule=constant"))
+    assert "learning rate" not in warned("trainer.epochs=4")
+
+
+def test_a_validation_loss_warning_does_not_contradict_the_divergence_stopping_the_run(tmp_path, caplog, monkeypatch):
+    """A diverged run evaluates to NaN too (LARS at 1e6 on the default data): the warning that
+    the validation loss is NaN "although training's is not" came just before the error that
+    training diverged. Only a training loss that passed its check is called finite."""
+    from trainer.loop import Trainer
+    evaluate = Trainer.evaluate
+
+    def overflowing(self, *args, **kwargs):
+        self.arena.flat(R.B_NEXT_VAR).fill_(-1.0)  # statistics that make evaluation overflow
+        return evaluate(self, *args, **kwargs)
+    monkeypatch.setattr(Trainer, "evaluate", overflowing)
+    with caplog.at_level("WARNING", logger="trainer"):
+        train(tmp_path / "a", "trainer.epochs=1")
+    assert caplog.text.count("the validation loss is NaN or infinite although training's is not") == 1, caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="trainer"), pytest.raises(DivergedError, match="training diverged"):
+        train(tmp_path / "b", "optimizer.lr=1e9", "trainer.epochs=2")
+    assert "validation loss" not in caplog.text

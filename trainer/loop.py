@@ -11,6 +11,7 @@ import logging
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import fields
 from pathlib import Path
 from typing import Callable
 
@@ -19,7 +20,7 @@ import torch
 import kernels
 from trainer import checkpoint
 from trainer.arena import HALF
-from trainer.config import TrainConfig, ignored, options, unreached
+from trainer.config import ScheduleConfig, TrainConfig, ignored, options, unreached
 from trainer.data import build_sources, source_module
 from trainer.dist import Dist, device_for
 from trainer.errors import ConfigError, DivergedError
@@ -82,10 +83,11 @@ class Trainer:
             done = checkpoint.load(Path(t.resume), self.arena, self.meta, dist.rank, model_only=evaluate_only)
             self.start_epoch, self.history = done["epoch"], done.get("history", [])
             if not evaluate_only:
-                self._check_epoch_length(t.resume, done.get("steps_per_epoch"))
+                self._check_epoch_length(t.resume, done.get("steps_per_epoch"), done.get("train_examples"),
+                                         done.get("config", {}))
                 self._check_whole_epochs(t.resume, done.get("steps"))
                 self._check_schedule(t.resume, done.get("schedule_steps"),
-                                     done.get("steps", self.start_epoch * self.per_epoch))
+                                     done.get("steps", self.start_epoch * self.per_epoch), done.get("config"))
                 self.stopped = self._check_stop(t.resume)
             log.info("%s %s, saved after epoch %d", "evaluating" if evaluate_only else "resumed from", t.resume,
                      self.start_epoch)
@@ -209,26 +211,35 @@ class Trainer:
                     "train_top5": top5 / count}
         return result
 
-    def evaluate(self) -> dict:
+    def evaluate(self, warn: bool = True) -> dict:
+        """The validation metrics. warn=False leaves the warning about a non-finite loss to
+        the caller (`warn_not_finite`), which knows whether training's own loss was finite."""
         self.dist.average_bn(self.ops)
         if self.cfg.ema:
             self.ops.sema_switch()
-        if self.cfg.fold_bn:  # from the weights evaluation uses: EMA's when EMA is on
-            self.ops.fold_bn(*bn_eps(self.model))
-        self.ops.reset_sums(B.VAL_SUMS)
-        self.val_source.start_epoch(0, self.cfg.data.resolution)
-        self.run_steps(self.val_steps(), self.val_source)
-        if self.cfg.ema:
-            self.ops.sema_switch()
+        try:
+            if self.cfg.fold_bn:  # from the weights evaluation uses: EMA's when EMA is on
+                self.ops.fold_bn(*bn_eps(self.model))
+            self.ops.reset_sums(B.VAL_SUMS)
+            self.val_source.start_epoch(0, self.cfg.data.resolution)
+            self.run_steps(self.val_steps(), self.val_source)
+        finally:  # a failed evaluation too: fit then saves the live weights, not the EMA's
+            if self.cfg.ema:
+                self.ops.sema_switch()
         self.dist.all_sum_(self.ops.s[B.VAL_SUMS])
         loss, top1, top5, count = self.arena.to_host_async(self.plans.main[B.VAL_SUMS]).get().tolist()
-        if not math.isfinite(loss) and self.dist.is_main:  # training goes on: its own loss is finite
+        row = {"val_loss": loss / count, "val_top1": top1 / count, "val_top5": top5 / count}
+        if warn:
+            self.warn_not_finite(row)
+        return row
+
+    def warn_not_finite(self, row: dict):
+        if not math.isfinite(row["val_loss"]) and self.dist.is_main:  # training goes on: its own loss is finite
             log.warning("the validation loss is NaN or infinite although training's is not: evaluation, "
                         "with the running BatchNorm statistics, overflowed%s. The weights diverged early or "
                         "the statistics are not settled; lower optimizer.lr or add schedule.warmup_epochs",
                         " in fp16 (amp_dtype=bf16 has fp32's range)" if self.cfg.amp and self.cfg.amp_dtype == "fp16"
                         else "")
-        return {"val_loss": loss / count, "val_top1": top1 / count, "val_top5": top5 / count}
 
     # -- the run ---------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -252,10 +263,19 @@ class Trainer:
             # straight from the last training step to the first evaluation step
             evaluation = {}
             if evaluating:
-                evaluation = self.evaluate()
+                try:
+                    # its warning of a non-finite loss waits for result(), which stops a run whose
+                    # training loss diverged: the warning says that training's is finite
+                    evaluation = self.evaluate(warn=False)
+                except Exception:
+                    self._save_trained(epoch, result, run_start, result_at)
+                    raise
                 result_at = self._event()  # time to accuracy ends here, before any checkpoint is written
             pending = None
-            self._record({**result(), **evaluation})
+            row = {**result(), **evaluation}
+            if evaluation:
+                self.warn_not_finite(evaluation)
+            self._record(row)
             if saving:
                 self.save(epoch + 1)
                 summary = self._write_summary(run_start, result_at)
@@ -265,6 +285,18 @@ class Trainer:
                 break
         self.metrics.close()
         return summary if summary is not None else self._write_summary(run_start, result_at)
+
+    def _save_trained(self, epoch: int, result, run_start, result_at):
+        """An evaluation failed (a damaged validation image): the epoch just trained is saved
+        with its training row, as its checkpoint would have been, so that a resume once the
+        data is mended goes on from it instead of training it again. In one process only: in
+        a job of several, the other ranks wait in the evaluation's collectives, and a save
+        is collective too."""
+        if self.dist.world > 1:
+            return
+        self._record(result())  # a diverged epoch raises here, and is not saved
+        self.save(epoch + 1)
+        self._write_summary(run_start, result_at)
 
     def _write_summary(self, run_start, result_at) -> dict:
         """The run's summary as of its newest epoch, written with its curves at each checkpoint,
@@ -293,7 +325,7 @@ class Trainer:
         folder = self.run_dir / "checkpoints"
         meta = {**self.meta, "config": options(self.cfg), "epoch": epochs_done, "history": self.history,
                 "steps_per_epoch": self.per_epoch, "steps": min(epochs_done * self.per_epoch, self.total_steps),
-                "schedule_steps": self.total_steps}
+                "schedule_steps": self.total_steps, "train_examples": self.train_source.shard.total}
         checkpoint.save(folder / f"epoch_{epochs_done:04d}.pt", self.arena, meta, per_rank)
         checkpoint.prune(folder, self.cfg.trainer.keep_checkpoints)
 
@@ -319,16 +351,26 @@ class Trainer:
                 "peak_memory_bytes": torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None}
 
     # -- helpers ----------------------------------------------------------------------------
-    def _check_epoch_length(self, path, saved: int | None):
+    def _check_epoch_length(self, path, saved: int | None, examples: int | None, written: dict):
         """A resumed run's epochs must have the checkpoint's number of steps (`saved`; None
         in checkpoints written before it was kept): the schedule, the data order and the step
         count go by the step, so other ones would train on from the wrong point of each (the
-        learning rate jumping back, epochs cut short)."""
-        if saved is not None and saved != self.per_epoch:
+        learning rate jumping back, epochs cut short). `examples`: the training set's size
+        the checkpoint was trained on (None before it was kept), `written` its options: with
+        the same data.train_size, another size is the data set's own (images added to a
+        folder), which no option of the command line mends."""
+        if saved is None or saved == self.per_epoch:
+            return
+        total = self.train_source.shard.total
+        if examples is not None and examples != total and written.get("data.train_size") == self.cfg.data.train_size:
             raise ConfigError(
-                f"{path} was trained in epochs of {saved} steps, and this run's have {self.per_epoch}: "
-                "trainer.batch_size, data.train_size, trainer.drop_last or the number of ranks differ from the "
-                "run that wrote it; resume with its values")
+                f"{path} was trained in epochs of {saved} steps, and this run's have {self.per_epoch}: its training "
+                f"set had {examples} examples and this run's has {total}: the data set changed; restore it, or start a "
+                "new run")
+        raise ConfigError(
+            f"{path} was trained in epochs of {saved} steps, and this run's have {self.per_epoch}: "
+            "trainer.batch_size, data.train_size, trainer.drop_last or the number of ranks differ from the "
+            "run that wrote it; resume with its values")
 
     def _check_whole_epochs(self, path, steps: int | None):
         """A fractional trainer.epochs ends its run part way through the last epoch, and the
@@ -354,17 +396,29 @@ class Trainer:
                               f"already; give a later epoch to stop after, or leave it out to train to the end")
         return False
 
-    def _check_schedule(self, path, then: int | None, step: int):
+    def _check_schedule(self, path, then: int | None, step: int, written: dict | None):
         """Another trainer.epochs lays the schedule over another number of steps (`then`, the
-        checkpoint's): training on, or a shorter run, as asked, but the learning rate moves
-        at the resume point, `step`, which is said where steps are left to train."""
-        if then is None or then == self.total_steps or step >= self.total_steps:
+        checkpoint's), and other schedule options shape it otherwise: training on, or a
+        shorter run, as asked, but the learning rate moves at the resume point, `step`, which
+        is said where steps are left to train. Its value before is the checkpoint's schedule's
+        (`written`: its run's options; this run's in checkpoints written before they were kept)."""
+        if then is None or step >= self.total_steps:
             return
-        schedule = self.cfg.schedule
-        before, now = (lr_multipliers(schedule, n, self.per_epoch)[min(step, n - 1)].item() for n in (then, self.total_steps))
-        log.warning("%s was trained on a schedule of %d steps and this run's has %d (another trainer.epochs): the "
-                    "learning rate at step %d is %.3g of its peak, where it was %.3g", path, then, self.total_steps,
-                    step, now, before)
+        ours = {f.name: getattr(self.cfg.schedule, f.name) for f in fields(ScheduleConfig)}
+        theirs = {name: (written or {}).get(f"schedule.{name}", value) for name, value in ours.items()}
+        changed = " ".join(f"schedule.{name}={ours[name]} (was {value})" for name, value in theirs.items()
+                           if value != ours[name])
+        before = lr_multipliers(ScheduleConfig(**theirs), then, self.per_epoch)[min(step, then - 1)].item()
+        now = lr_multipliers(self.cfg.schedule, self.total_steps, self.per_epoch)[step].item()
+        if then == self.total_steps and now == before:
+            return
+        if then == self.total_steps:
+            why = f"on another schedule: this run's {changed}"
+        else:
+            why = f"on a schedule of {then} steps and this run's has {self.total_steps} (another trainer.epochs)" + (
+                f" and {changed}" if changed else "")
+        log.warning("%s was trained %s: the learning rate at step %d is %.3g of its peak, where it was %.3g", path,
+                    why, step, now, before)
 
     def _records(self, run_dir: Path, claim: bool, enabled: bool) -> MetricsLog:
         """The run's metrics file. A training run may not write into another run's folder
