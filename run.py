@@ -11,7 +11,7 @@ try:  # Ctrl-C while the imports load (a second or more) ends as it does once th
     import hydra
 
     from trainer import app, dist
-    from trainer.config import register
+    from trainer.config import register, unknown_override
 except KeyboardInterrupt:
     raise interrupted() from None
 
@@ -25,6 +25,10 @@ def main(cfg):
 
 if __name__ == "__main__":
     sys.argv += dist.launch_overrides(sys.argv[1:])  # under torchrun: one run directory for the job
+    unknown = unknown_override(sys.argv[1:])
+    if unknown:  # before Hydra, whose message would advise +key=value
+        print(unknown, file=sys.stderr)
+        raise SystemExit(2)
     try:
         main()
     except KeyboardInterrupt:  # while Hydra composes the configuration, before app.main's own handling

@@ -32,8 +32,7 @@ def main(overrides: list[str]):
     lists = {s: cifar.jpeg_list(root, s, members) for s in ("train", "val")}
     lap("jpeg_list, both splits")
     for names, _, _ in lists.values():
-        for n in names:
-            check_bytes(n, members[n])
+        check_bytes(names, [members[n] for n in names])
     lap("check_bytes, 60,000 files")
     import nvidia.dali.fn  # noqa: F401
     import nvidia.dali.plugin.pytorch  # noqa: F401

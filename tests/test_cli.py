@@ -1,9 +1,12 @@
 """run.py's command line around the run itself: signals between a sweep's jobs, the folders
 a sweep's jobs take, and the messages for what Hydra or OmegaConf refuse."""
+import json
+import shutil
+import signal
 import subprocess
 import sys
 
-from tests.test_trainer import command, from_a_terminal
+from tests.test_trainer import command, from_a_terminal, run, started
 
 
 def test_sigterm_between_a_sweeps_jobs_is_one_line(tmp_path):
@@ -25,3 +28,97 @@ runpy.run_path(sys.argv[0], run_name="__main__")
                          timeout=120, preexec_fn=from_a_terminal)
     assert (out.returncode, out.stderr.splitlines()[-1:]) == (143, ["terminated"]), out.stderr
     assert "Traceback" not in out.stderr and (tmp_path / "sweep" / "0" / "plan.json").exists()
+
+
+def test_a_run_whose_data_set_moved_resumes_and_evaluates_given_data_root_alone(tmp_path):
+    """The data options come from the checkpoint: data.root=NEW alone was refused against the
+    defaults' data=synthetic before they were taken, and the advice it gave (data=imagefolder)
+    chose that group's resolution and classes over the run's."""
+    from trainer.data.make_jpeg_tree import main as make_jpeg_tree
+    make_jpeg_tree([str(tmp_path / "before"), "--classes", "2", "--per-class", "8", "--val-per-class", "2",
+                    "--size", "24x20", "--jobs", "1"])
+    data = ["data=imagefolder", "data.num_classes=2", "data.resolution=16", "trainer.batch_size=4"]
+    first = run(tmp_path / "run", *data, f"data.root={tmp_path / 'before'}", "trainer.epochs=2",
+                "trainer.stop_after_epoch=1")
+    assert first.returncode == 0, first.stderr
+    (tmp_path / "before").rename(tmp_path / "after")
+    resumed = run(tmp_path / "run", f"trainer.resume={tmp_path / 'run'}", f"data.root={tmp_path / 'after'}")
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["epochs"] == 2
+    evaluated = run(tmp_path / "eval", "mode=eval", f"checkpoint={tmp_path / 'run'}", f"data.root={tmp_path / 'after'}")
+    assert evaluated.returncode == 0, evaluated.stderr
+    summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
+    # the file it read, not its run's folder, where a resumed run writes newer ones
+    assert summary["checkpoint"] == str(tmp_path / "run" / "checkpoints" / "epoch_0002.pt")
+    assert f"evaluating {summary['checkpoint']}" in evaluated.stdout + evaluated.stderr
+
+
+def test_a_sweep_job_sent_into_another_runs_folder_is_refused_before_any_job_runs(tmp_path):
+    """hydra.sweep.subdir=. sends the job into the sweep's folder itself: the job was refused
+    only after Hydra had written its .hydra/ over that run's record of its command line."""
+    assert run(tmp_path / "run", "trainer.epochs=1").returncode == 0
+    recorded = (tmp_path / "run" / ".hydra" / "overrides.yaml").read_text()
+    out = run(tmp_path / "run", "trainer.epochs=2", "hydra.sweep.subdir=.", multirun=True)
+    assert out.returncode == 2 and f"{tmp_path / 'run'} holds another run's checkpoints" in out.stderr, out.stderr
+    assert (tmp_path / "run" / ".hydra" / "overrides.yaml").read_text() == recorded
+    assert not (tmp_path / "run" / "multirun.yaml").exists()
+
+
+def test_a_sweep_jobs_value_of_the_wrong_type_says_why(tmp_path):
+    out = run(tmp_path / "sweep", "trainer.epochs=1,abc", multirun=True)
+    assert out.returncode == 2 and "trainer.epochs=abc" in out.stderr, out.stderr
+    assert "could not be converted to Float" in out.stderr, out.stderr
+
+
+def test_a_second_run_in_a_folder_in_use_is_refused_before_it_writes_there(tmp_path):
+    """A resume of a run that has not ended (a requeued job beside the one still stopping)
+    passed the folder checks and trained into it beside the first: two records of an epoch,
+    and each one's checkpoints over the other's."""
+    with started(command(tmp_path / "run", "trainer.epochs=1000"), cwd=tmp_path, stdout=subprocess.PIPE,
+                 stderr=subprocess.STDOUT) as first:
+        printed = ""
+        while "epoch 2 step" not in printed:  # after the first checkpoint, which the resume reads
+            line = first.stdout.readline()
+            assert line, printed
+            printed += line
+        second = run(tmp_path / "run", f"trainer.resume={tmp_path / 'run'}")
+        assert first.poll() is None, printed
+        first.kill()
+    assert second.returncode == 2, second.stdout + second.stderr
+    assert f"{tmp_path / 'run'} is in use by another run that has not ended" in second.stderr, second.stderr
+    assert not list((tmp_path / "run" / ".hydra").glob("resumed_*"))
+
+
+def test_a_relative_path_is_read_from_the_folder_the_command_started_in_by_a_sweeps_jobs_too(tmp_path):
+    """Under hydra.job.chdir=true a sweep's job runs in its own folder, where checkpoint=run
+    named nothing; a single run read it from the folder the command was started in."""
+    assert run(tmp_path / "run", "trainer.epochs=1").returncode == 0
+    out = subprocess.run(command(tmp_path / "sweep", "mode=eval", "checkpoint=run", "hydra.job.chdir=true",
+                                 "data.tta=0,1", multirun=True), capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for job in ("0", "1"):
+        summary = json.loads((tmp_path / "sweep" / job / "summary.json").read_text())
+        assert summary["checkpoint"] == str(tmp_path / "run" / "checkpoints" / "epoch_0001.pt")
+
+
+def test_an_interrupted_branch_is_told_how_to_start_it_again(tmp_path):
+    """A branch (a resume from an older checkpoint into a folder of its own) stopped before its
+    first checkpoint was told to resume the checkpoint again, which is refused in its run's
+    folder (not its newest) and in the branch's (its records), and dropped its options."""
+    assert run(tmp_path / "run", "trainer.epochs=3", "trainer.stop_after_epoch=2").returncode == 0
+    branch = command(tmp_path / "branch", f"trainer.resume={tmp_path / 'run' / 'checkpoints' / 'epoch_0001.pt'}",
+                     "trainer.epochs=3", "trainer.checkpoint_every=0")
+    with started(branch, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
+        printed = ""
+        while "epoch 2 step" not in printed:
+            line = proc.stdout.readline()
+            assert line, printed
+            printed += line
+        proc.send_signal(signal.SIGINT)
+        printed += proc.communicate(timeout=60)[0]
+    assert (f"interrupted before its first checkpoint: {tmp_path / 'branch'} holds nothing to continue from; remove it "
+            "and run the same command again") in printed, printed
+    shutil.rmtree(tmp_path / "branch")
+    again = subprocess.run(branch, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert json.loads((tmp_path / "branch" / "summary.json").read_text())["epochs"] == 3

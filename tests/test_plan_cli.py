@@ -47,7 +47,18 @@ def run_plan(run_dir: Path, *overrides) -> subprocess.CompletedProcess:
 # Bad input: overrides, what the message must name, whether it is the app's own one-line message
 BAD = {
     "unknown-optimizer-group": (["optimizer=foo"], "optimizer/foo", False),
-    "misspelled-key": (["trainer.bach_size=3"], "bach_size", False),
+    # before Hydra, whose message advised +trainer.bach_size=3, which the schema refuses as well
+    "misspelled-key": (["trainer.bach_size=3"], "trainer.bach_size: the configuration has no such key "
+                                                "(trainer/config.py lists every one); did you mean trainer.batch_size?", True),
+    "misspelled-key-added": (["+trainer.epoch=3"], "+trainer.epoch: the configuration has no such key "
+                                                   "(trainer/config.py lists every one); did you mean trainer.epochs?", True),
+    "unknown-key": (["trainer.zzzz=3"], "trainer.zzzz: the configuration has no such key (trainer/config.py lists "
+                                        "every one); check its spelling", True),
+    # an interpolation that resolves to nothing ended in OmegaConf's traceback
+    "interpolation-of-nothing": (["trainer.epochs=${data.foo}"], "trainer.epochs: Interpolation key 'data.foo' not "
+                                                                 "found", True),
+    # plan and bench plan the options given: a checkpoint named was ignored without a word
+    "plan-of-a-checkpoint": (["trainer.resume=/nowhere"], "trainer.resume=/nowhere is read by mode=train", True),
     "negative-batch-size": (["trainer.batch_size=-3"], "trainer.batch_size=-3", True),
     "host-decode-share-above-one": (["data.host_decode=1.5"], "data.host_decode=1.5 must lie in [0, 1]", True),
     "muon-without-a-schedule-peak": (["optimizer=muon", "optimizer.lr=0"], "optimizer=muon with optimizer.lr=0", True),

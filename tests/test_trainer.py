@@ -874,7 +874,7 @@ def test_eval_mode_reproduces_the_final_evaluation(tmp_path):
     result = json.loads((tmp_path / "eval" / "summary.json").read_text())
     final = trained.history[-1]
     assert not (tmp_path / "eval" / "metrics.jsonl").exists()  # no records of training: it trains nothing
-    assert f"evaluating {tmp_path / 'run'}, saved after epoch 1" in out.stdout
+    assert f"evaluating {tmp_path / 'run' / 'checkpoints' / 'epoch_0001.pt'}, saved after epoch 1" in out.stdout
     assert result["val_top1"] == final["val_top1"] and result["val_loss"] == pytest.approx(final["val_loss"])
 
 
@@ -885,7 +885,8 @@ def test_a_path_given_with_a_tilde_is_under_the_home_folder(tmp_path):
     out = subprocess.run(command(tmp_path / "eval", "mode=eval", *TINY, "checkpoint='~/run'"), capture_output=True,
                          text=True, cwd=tmp_path, timeout=300, env={**os.environ, "HOME": str(tmp_path)})
     assert out.returncode == 0, out.stdout + out.stderr
-    assert json.loads((tmp_path / "eval" / "summary.json").read_text())["checkpoint"] == str(tmp_path / "run")
+    assert json.loads((tmp_path / "eval" / "summary.json").read_text())["checkpoint"] == \
+        str(tmp_path / "run" / "checkpoints" / "epoch_0001.pt")
 
 
 def test_relative_paths_are_kept_absolute_so_a_resume_elsewhere_reads_the_same_files(tmp_path, monkeypatch):

@@ -1,4 +1,5 @@
 """The Hydra application: validate the configuration, then run the requested mode."""
+import fcntl
 import itertools
 import json
 import logging
@@ -17,6 +18,7 @@ from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
 
 from trainer.config import (CHECKPOINT_OPTIONS, RUN_OPTIONS, TrainConfig, chosen_keys, expand_paths, given_changes,
                             given_options, recorded, take_options, validate)
@@ -41,9 +43,6 @@ def run_plan(cfg: TrainConfig, run_dir: Path):
 def run_train(cfg: TrainConfig, run_dir: Path):
     from trainer import dist
     from trainer.loop import Trainer
-    cfg.trainer.resume = restart_checkpoint(run_dir) or cfg.trainer.resume  # torchrun restarted the job
-    if cfg.trainer.resume:
-        _take_options(cfg, cfg.trainer.resume, RUN_OPTIONS)
     trainer = Trainer(cfg, run_dir, dist.start(cfg))
     if trainer.dist.is_main:
         (run_dir / "plan.json").write_text(json.dumps(trainer.plans.to_json(), indent=1))
@@ -51,18 +50,32 @@ def run_train(cfg: TrainConfig, run_dir: Path):
     log.info("summary: %s", json.dumps(summary))
 
 
-def _from_checkpoint(cfg: TrainConfig) -> str:
-    """The checkpoint that mode=eval or export reads, whose model options cfg takes."""
-    path = cfg.checkpoint or cfg.trainer.resume
-    if not path:
-        raise CheckpointError(f"mode={cfg.mode} needs checkpoint=PATH (a checkpoint file or a run directory)")
-    _take_options(cfg, path, CHECKPOINT_OPTIONS)
-    return path
+def _configured(dict_cfg: DictConfig, run_dir: Path) -> TrainConfig:
+    """The run's validated configuration. A resume (or torchrun's restart of the job) takes the
+    options of the run it continues, an evaluation or export the model's and the data's of the
+    run that wrote its checkpoint, where the command line does not give them, before the
+    checks: given alone, data.root=NEW (the data set moved) was refused against the defaults'
+    data=synthetic."""
+    try:
+        cfg = expand_paths(OmegaConf.to_object(dict_cfg))
+    except OmegaConfBaseException as e:  # an interpolation that resolves to nothing: 'trainer.epochs=${data.foo}'
+        raise ConfigError(f"{e.full_key}: {str(e.msg).splitlines()[0]}") from None
+    if cfg.mode == "train":
+        cfg.trainer.resume = restart_checkpoint(run_dir) or cfg.trainer.resume
+        if cfg.trainer.resume:
+            _take_options(cfg, cfg.trainer.resume, RUN_OPTIONS)
+    elif cfg.mode in ("eval", "export"):
+        if not (cfg.checkpoint or cfg.trainer.resume):
+            raise CheckpointError(f"mode={cfg.mode} needs checkpoint=PATH (a checkpoint file or a run directory)")
+        # the file, not its run's folder, where a resumed run writes newer ones: what it read is recorded
+        cfg.trainer.resume = str(find_checkpoint(cfg.checkpoint or cfg.trainer.resume))
+        _take_options(cfg, cfg.trainer.resume, CHECKPOINT_OPTIONS)
+    return validate(cfg)
 
 
 def _take_options(cfg: TrainConfig, path: str, keys):
     """cfg takes those `keys` of the options of the run that wrote the checkpoint at `path`
-    that its command line does not give, and is validated again with them."""
+    that its command line does not give."""
     from trainer import checkpoint
     meta = checkpoint.read(Path(path))["meta"]
     written = recorded(meta.get("config", meta.get("options", {})))  # "options": the model's alone, in older ones
@@ -83,14 +96,12 @@ def _take_options(cfg: TrainConfig, path: str, keys):
     taken = take_options(cfg, written, keys, named)
     if taken:
         log.info("as the run that wrote %s: %s", path, " ".join(f"{key}={value}" for key, value in taken.items()))
-        validate(cfg)
 
 
 def run_eval(cfg: TrainConfig, run_dir: Path):
     from trainer import dist
     from trainer.loop import Trainer
     from trainer.metrics import to_json, write_summary
-    cfg.trainer.resume = _from_checkpoint(cfg)
     trainer = Trainer(cfg, run_dir, dist.start(cfg), evaluate_only=True)
     result = trainer.evaluate()
     if trainer.dist.is_main:
@@ -106,7 +117,7 @@ def run_export(cfg: TrainConfig, run_dir: Path):
     from trainer.binding import bind
     from trainer.export import state_dict
     from trainer.setup import make_plans
-    path = _from_checkpoint(cfg)
+    path = cfg.trainer.resume
     model, plans, _ = make_plans(cfg)
     arena = Arena(plans.main)
     tensors = plans.tensors[plans.variants[0].name]
@@ -154,14 +165,15 @@ class RunDirectory(Callback):
             named = _continue_in_its_folder(config) or named
         if not named:
             _new_folder(config, "run")
-            return
+        else:
+            _make(config.hydra.run.dir, "hydra.run.dir")
         if _is_main():  # the ranks of a torchrun job share the folder, whose results rank 0 writes
+            _hold(config.hydra.run.dir)
             _refuse_another_runs(Path(config.hydra.run.dir), config)
-        _make(config.hydra.run.dir, "hydra.run.dir")
 
     def on_multirun_start(self, config: DictConfig, **kwargs):
-        _validate_jobs(config)
         if "hydra.sweep.dir" not in given(config.hydra.overrides.hydra):
+            _validate_jobs(config)
             _new_folder(config, "sweep")
             with open_dict(config):  # the launcher composes each job's configuration again from these
                 config.hydra.overrides.hydra.append(f"hydra.sweep.dir={_quoted(config.hydra.sweep.dir)}")
@@ -172,7 +184,9 @@ class RunDirectory(Callback):
                 print(f"{sweep} holds another sweep's jobs ({job.name}/ has its checkpoints or results): give this "
                       "sweep a folder of its own (hydra.sweep.dir=...)", file=sys.stderr)
                 raise SystemExit(2)
+        _validate_jobs(config, named=True)
         _make(config.hydra.sweep.dir, "hydra.sweep.dir")
+        _hold(config.hydra.sweep.dir)
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs):
         self.jobs += 1
@@ -188,10 +202,11 @@ class RunDirectory(Callback):
             raise SystemExit(2)
 
 
-def _validate_jobs(config: DictConfig):
+def _validate_jobs(config: DictConfig, named: bool = False):
     """Every job of a sweep validated before the first one runs: Hydra composes them all
     first, which catches a misspelled key or a wrong type, but a value validate() refuses
-    in a job listed late would stop the sweep only after the jobs before it had trained."""
+    in a job listed late would stop the sweep only after the jobs before it had trained.
+    In a sweep folder the command line `named`, each job's folder is checked as a run's is."""
     if config.hydra.sweeper._target_ != f"{BasicSweeper.__module__}.{BasicSweeper.__name__}":
         return  # other sweepers choose their jobs as they go
     loader = GlobalHydra.instance().config_loader()
@@ -202,7 +217,8 @@ def _validate_jobs(config: DictConfig):
         try:
             job_config = loader.load_sweep_config(config, list(job))
         except HydraException as e:  # a group's option misspelled: Hydra's message lists the options
-            print(f"sweep job {number} ({' '.join(job)}): {e}", file=sys.stderr)
+            why = f"{e}: {e.__cause__}" if e.__cause__ else e  # a value of the wrong type: OmegaConf's reason
+            print(f"sweep job {number} ({' '.join(job)}): {why}", file=sys.stderr)
             raise SystemExit(2)
         with open_dict(job_config):
             job_config.hydra.job.num = job_config.hydra.job.id = number  # as Hydra's launcher sets them
@@ -214,6 +230,10 @@ def _validate_jobs(config: DictConfig):
                   file=sys.stderr)
             raise SystemExit(2)
         folders[folder] = number
+        if named:  # a folder the sweep is given, not a new one: before Hydra writes the job's .hydra/ over a run's
+            _refuse_another_runs(folder, job_config)
+        if job_config.trainer.resume or job_config.checkpoint:
+            continue  # validated as it starts, with the options it takes from the checkpoint
         try:
             validate(OmegaConf.to_object(job_config))
         except ConfigError as e:
@@ -259,6 +279,25 @@ def _new_folder(config: DictConfig, kind: str):
         with open_dict(config):
             config.hydra[kind].dir = path
         return
+
+
+_HELD = []  # the folders this process holds locked, open for its life: the kernel lets go as it ends
+
+
+def _hold(folder: str):
+    """The run's (or sweep's) folder locked for this process's life, before anything is written
+    there: two resumes of one run (a requeued job beside the one still ending), or runs given
+    the same hydra.run.dir, passed the folder checks together and wrote their epochs and
+    checkpoints over each other's."""
+    handle = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(handle)
+        print(f"{folder} is in use by another run that has not ended (a resume of the same run, or one given the same "
+              "folder): wait for it to end, or give this run a folder of its own (hydra.run.dir=...)", file=sys.stderr)
+        raise SystemExit(2)
+    _HELD.append(handle)
 
 
 def _quoted(value: str) -> str:
@@ -310,8 +349,9 @@ def _where_to_continue(cfg: DictConfig, run_dir: Path) -> str:
     if found:
         return (f"; continue from {found[-1].name} with {continue_with(run_dir, world)} (which takes this run's "
                 "options from it)")
-    if cfg.trainer.resume:
-        return f" before its first checkpoint; continue again from {continue_with(cfg.trainer.resume, world)}"
+    if cfg.trainer.resume:  # a branch, in a folder of its own (in its run's, that run's checkpoints are found)
+        return (f" before its first checkpoint: {run_dir} holds nothing to continue from; remove it and run the same "
+                "command again")
     return " before the first checkpoint: nothing to continue from"
 
 
@@ -341,7 +381,7 @@ def _exit_now(signum, frame):
 def main(dict_cfg: DictConfig):
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        cfg = validate(OmegaConf.to_object(dict_cfg))
+        cfg = _configured(dict_cfg, run_dir)
         from trainer.dist import launched
         signal.signal(signal.SIGINT, _interrupt)
         if not launched():  # under torchrun its agent stops the ranks, which may be waiting in a collective

@@ -1,6 +1,7 @@
 """The configuration schema. Hydra composes conf/ onto these dataclasses, so a misspelled
 key or a value of the wrong type fails at composition; validate() then rejects values
 that type-check but cannot work. Both end in one message and a non-zero exit."""
+import difflib
 import math
 import os
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -12,6 +13,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.default_element import GroupDefault
 from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import II, MISSING, DictConfig, OmegaConf
 
 from trainer.errors import ConfigError
@@ -78,7 +80,9 @@ class ScheduleConfig:
 @dataclass
 class DataConfig:
     name: str = "synthetic"  # synthetic | cifar10 | imagefolder
-    root: str = ""  # a folder of class folders, or a .tgz archive of one (cifar10)
+    # a folder with train/ and val/ (or test/) of class folders of .jpg/.jpeg/.png images (their
+    # subfolders are not read); cifar10 also reads it as a .tgz/.tar, and CIFAR's python batches
+    root: str = ""
     num_classes: int = 10
     resolution: int = 32  # training crop and evaluation size
     train_size: int = 0  # synthetic: examples to generate; others: examples to take from the split, 0 all
@@ -249,13 +253,13 @@ def options(cfg: TrainConfig) -> dict[str, Any]:
 
 
 # The options of the run that wrote a checkpoint which evaluating it needs: what shapes the
-# model and its tensors in the arena, and the images it was trained on: their size, their
-# classes and, for the embedded set, which normalizes by its training images' statistics,
-# the training set's size. Evaluation and export take them where their command line does
-# not give them.
+# model and its tensors in the arena (the training batch too, which must fit the training
+# set), and the images it was trained on: their size, their classes and, for the embedded
+# set, which normalizes by its training images' statistics, the training set's size.
+# Evaluation and export take them where their command line does not give them.
 CHECKPOINT_OPTIONS = ("amp", "amp_dtype", "ema", "fold_bn", "data.name", "data.root", "data.num_classes",
                       "data.resolution", "data.train_size", "data.val_size", "data.val_resize", "data.tta",
-                      *(f"model.{f.name}" for f in fields(ModelConfig)))
+                      "trainer.batch_size", "trainer.drop_last", *(f"model.{f.name}" for f in fields(ModelConfig)))
 # What one command asks, not what its run is: a resumed run takes every other option from
 # its checkpoint where its command line does not give it, so that it trains on as it began.
 _INVOCATION = ("mode", "checkpoint", "trainer.resume", "trainer.stop_after_epoch", "dist.plan_ranks")
@@ -329,8 +333,12 @@ def expand_paths(cfg):
 
 
 def absolute(path: str) -> str:
-    """A path given as an option, absolute ('' stays '': not given)."""
-    return os.path.abspath(os.path.expanduser(path)) if path else path
+    """A path given as an option, absolute ('' stays '': not given), from the folder the command
+    was started in: a sweep's job under hydra.job.chdir=true runs in its own folder."""
+    if not path:
+        return path
+    started_in = HydraConfig.get().runtime.cwd if HydraConfig.initialized() else os.getcwd()
+    return os.path.normpath(os.path.join(started_in, os.path.expanduser(path)))
 
 
 def recorded(written: dict[str, Any]) -> dict[str, Any]:
@@ -345,8 +353,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     expand_paths(cfg)
     unknown = _unknown_keys(cfg)
     if unknown:
-        raise ConfigError(f"+{unknown[0]}: the configuration has no such key (trainer/config.py lists every one); "
-                          "check its spelling")
+        raise ConfigError(no_such_key("+" + unknown[0]))
     for key, choices in _CHOICES.items():
         if _get(cfg, key) not in choices:
             raise ConfigError(f"{key}={_get(cfg, key)!r} is not one of: {', '.join(map(str, choices))}")
@@ -445,10 +452,36 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"schedule.milestones={cfg.schedule.milestones}: nan is not a number of epochs")
     if any(not m >= 0 for m in cfg.schedule.milestones):
         raise ConfigError(f"schedule.milestones={cfg.schedule.milestones} must be epochs, not negative")
+    if cfg.trainer.resume and cfg.mode in ("plan", "bench"):
+        raise ConfigError(f"trainer.resume={cfg.trainer.resume} is read by mode=train (and eval, export); mode="
+                          f"{cfg.mode} takes the options given on its command line, not a checkpoint's: drop it")
     if cfg.checkpoint and cfg.mode not in ("eval", "export"):
         raise ConfigError(f"checkpoint={cfg.checkpoint} is read by mode=eval and mode=export only; to continue "
                           f"training from it use trainer.resume={cfg.checkpoint}")
     return cfg
+
+
+GROUPS = ("model", "optimizer", "schedule", "data", "experiment")  # conf/'s folders
+
+
+def unknown_override(overrides: list[str]) -> str | None:
+    """What to say of the first command-line override key=value whose key the configuration
+    does not have, or None. Hydra's own message advises +key=value, which the schema then
+    refuses as well."""
+    known = set(options(TrainConfig())) | set(GROUPS)
+    for override in overrides:
+        key = override.partition("=")[0]
+        if ("=" in override and key.replace(".", "").replace("_", "").isalnum() and key not in known
+                and not key.startswith(("hydra.", "compile_options."))):
+            return no_such_key(key)
+    return None
+
+
+def no_such_key(key: str) -> str:
+    """The message for a key the configuration does not have, with the nearest one it has."""
+    near = difflib.get_close_matches(key.lstrip("+"), options(TrainConfig()), n=1, cutoff=0.8)
+    return (f"{key}: the configuration has no such key (trainer/config.py lists every one); "
+            + (f"did you mean {near[0]}?" if near else "check its spelling"))
 
 
 def _unknown_keys(node, prefix: str = "") -> list[str]:

@@ -10,6 +10,8 @@ import os
 import re
 from pathlib import Path
 
+from omegaconf import ListConfig, OmegaConf
+
 from trainer.errors import CheckpointError
 
 RECORDS = "metrics.jsonl"
@@ -100,8 +102,11 @@ def run_folder(checkpoint: str) -> Path:
 
 
 def given(overrides) -> dict[str, str]:
-    """The keys a command line's overrides give (key=value, +key=value, ~key) and their values."""
-    return {key.lstrip("+~"): value for key, _, value in (o.partition("=") for o in overrides)}
+    """The keys a command line's overrides give (key=value, +key=value, ~key) and their values,
+    as written: Hydra's list of them would resolve hydra.sweep.subdir=${hydra.job.id}, which
+    has no value outside a job."""
+    written = OmegaConf.to_container(overrides) if isinstance(overrides, ListConfig) else overrides
+    return {key.lstrip("+~"): value for key, _, value in (o.partition("=") for o in written)}
 
 
 def resumed_folder(resume: str) -> Path | None:
