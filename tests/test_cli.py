@@ -122,3 +122,13 @@ def test_an_interrupted_branch_is_told_how_to_start_it_again(tmp_path):
     again = subprocess.run(branch, capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert again.returncode == 0, again.stdout + again.stderr
     assert json.loads((tmp_path / "branch" / "summary.json").read_text())["epochs"] == 3
+
+
+def test_a_sweep_of_resumes_checks_every_job_with_its_checkpoints_options_first(tmp_path):
+    """A sweep's jobs are checked before the first runs, those that read a checkpoint with the
+    options they take from it: one with a bad value was found only after the jobs before it."""
+    assert run(tmp_path / "run", "trainer.epochs=2", "trainer.stop_after_epoch=1").returncode == 0
+    out = run(tmp_path / "sweep", f"trainer.resume={tmp_path / 'run'}", "optimizer.lr=0.1,-1", multirun=True)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.strip().endswith("optimizer.lr=-1.0 must not be negative; no job has run"), out.stderr
+    assert not (tmp_path / "sweep" / "0").exists()

@@ -52,6 +52,15 @@ def test_a_data_set_larger_than_the_hosts_free_memory_is_refused_before_it_is_ma
     assert build_sources(config(), CPU, 0, 1, None)[0].images.shape == (256, 16, 16, 3)
 
 
+def test_a_crop_padding_as_wide_as_the_images_is_refused():
+    """data.crop_padding=1000 on 16x16 images trained on crops of the pad's color to a NaN loss,
+    whose message blamed the learning rate."""
+    with pytest.raises(DataError, match=r"^data.crop_padding=16 is not smaller than the images \(16x16\), which "
+                                        r"training crops pad; set data.crop_padding to at most 15$"):
+        build_sources(config(crop_padding=16), CPU, 0, 1, None)
+    build_sources(config(crop_padding=15), CPU, 0, 1, None)
+
+
 def test_channel_statistics_are_the_pixels_mean_and_deviation():
     images, _ = generate(64, 0, 16)
     mean, std = channel_stats(images)

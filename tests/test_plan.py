@@ -733,6 +733,24 @@ def test_an_arena_larger_than_the_hosts_free_memory_is_refused_before_it_is_fill
     assert Arena(plans.main).storage.numel() == plans.main.total_bytes
 
 
+@pytest.mark.parametrize("limit, used, cache, expected", [("max", "0", 0, 8 << 30), (str(6 << 30), str(5 << 30), 0, 1 << 30),
+                                                        (str(6 << 30), str(5 << 30), 2 << 30, 3 << 30),
+                                                        (str(4 << 30), str(5 << 30), 0, 0)])
+def test_the_hosts_free_memory_is_the_kernels_estimate_under_the_cgroups_limit(tmp_path, limit, used, cache, expected):
+    """In a container the cgroup's limit less its use bounds it, the page cache it can drop not
+    counted as used (a pod that has just read its data set is not full); never below 0."""
+    (tmp_path / "proc" / "self").mkdir(parents=True)
+    (tmp_path / "proc" / "meminfo").write_text(f"MemTotal: {16 << 20} kB\nMemAvailable: {8 << 20} kB\n")
+    (tmp_path / "proc" / "self" / "cgroup").write_text("0::/job/step\n")
+    group = tmp_path / "sys" / "fs" / "cgroup" / "job" / "step"
+    group.mkdir(parents=True)
+    (group / "memory.max").write_text(limit + "\n")
+    (group / "memory.current").write_text(used + "\n")
+    (group / "memory.stat").write_text(f"anon 1\nfile {cache + 5}\ninactive_file {cache}\n")
+    assert arena.host_memory_available(tmp_path) == expected
+    assert arena.host_memory_available(tmp_path / "elsewhere") is None  # not Linux: nothing to go by
+
+
 # -- the evaluation batch ----------------------------------------------------------------
 
 @pytest.mark.parametrize("world", [1, 3])

@@ -57,6 +57,8 @@ BAD = {
     # an interpolation that resolves to nothing ended in OmegaConf's traceback
     "interpolation-of-nothing": (["trainer.epochs=${data.foo}"], "trainer.epochs: Interpolation key 'data.foo' not "
                                                                  "found", True),
+    # DALI aborted the process when it could not start them (exit 134, no message)
+    "threads-beyond-any-host": (["data.threads=100000"], "data.threads=100000: at most 1024 threads a rank", True),
     # plan and bench plan the options given: a checkpoint named was ignored without a word
     "plan-of-a-checkpoint": (["trainer.resume=/nowhere"], "trainer.resume=/nowhere is read by mode=train", True),
     "negative-batch-size": (["trainer.batch_size=-3"], "trainer.batch_size=-3", True),
@@ -284,3 +286,14 @@ def test_no_group_file_sets_what_its_choice_does_not_read(group):
     for path in sorted((ROOT / "conf" / group).glob("*.yaml")):
         choice = f"+experiment={path.stem}" if group == "experiment" else f"{group}={path.stem}"
         assert ignored(compose_config([choice, "mode=plan"])) == [], choice  # plan: no data.root needed
+
+
+@pytest.mark.parametrize("override", ["schedule.milestones.1=50", "model.widths.0=16", "+experiment=cifar10_speed",
+                                      "~ema", "++trainer.epochs=3", "model@other=resnet50", "hydra/launcher=basic",
+                                      "--config-name=train", "-m", "compile_options.mode=max-autotune", "data=cifar10",
+                                      "bench.baselines=[eager_bf16]", "hydra.run.dir=x", "trainer.epochs=3"])
+def test_overrides_of_keys_the_configuration_has_pass_to_hydra(override):
+    """The check of unknown keys before Hydra leaves every form of override Hydra takes for a
+    key the configuration has: an item of a list, a group choice, an addition or deletion."""
+    from trainer.config import unknown_override
+    assert unknown_override([override]) is None

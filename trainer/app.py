@@ -50,12 +50,15 @@ def run_train(cfg: TrainConfig, run_dir: Path):
     log.info("summary: %s", json.dumps(summary))
 
 
-def _configured(dict_cfg: DictConfig, run_dir: Path) -> TrainConfig:
-    """The run's validated configuration. A resume (or torchrun's restart of the job) takes the
-    options of the run it continues, an evaluation or export the model's and the data's of the
-    run that wrote its checkpoint, where the command line does not give them, before the
-    checks: given alone, data.root=NEW (the data set moved) was refused against the defaults'
-    data=synthetic."""
+def _configured(dict_cfg: DictConfig, run_dir: Path, hydra: DictConfig, task, say: bool = True) -> TrainConfig:
+    """The validated configuration of a run whose command line gives the overrides `task`
+    (`hydra`: Hydra's node of the run, or of its sweep, for the configuration's name and
+    Hydra's own overrides, which compose the defaults the command line is compared with). A
+    resume (or torchrun's restart of the job) takes the options of the run it continues, an
+    evaluation or export the model's and the data's of the run that wrote its checkpoint,
+    where the command line does not give them, before the checks: given alone,
+    data.root=NEW (the data set moved) was refused against the defaults' data=synthetic.
+    `say`: log what it takes (not while a sweep checks its jobs before the first)."""
     try:
         cfg = expand_paths(OmegaConf.to_object(dict_cfg))
     except OmegaConfBaseException as e:  # an interpolation that resolves to nothing: 'trainer.epochs=${data.foo}'
@@ -63,38 +66,37 @@ def _configured(dict_cfg: DictConfig, run_dir: Path) -> TrainConfig:
     if cfg.mode == "train":
         cfg.trainer.resume = restart_checkpoint(run_dir) or cfg.trainer.resume
         if cfg.trainer.resume:
-            _take_options(cfg, cfg.trainer.resume, RUN_OPTIONS)
+            _take_options(cfg, cfg.trainer.resume, RUN_OPTIONS, hydra, task, say)
     elif cfg.mode in ("eval", "export"):
         if not (cfg.checkpoint or cfg.trainer.resume):
             raise CheckpointError(f"mode={cfg.mode} needs checkpoint=PATH (a checkpoint file or a run directory)")
         # the file, not its run's folder, where a resumed run writes newer ones: what it read is recorded
         cfg.trainer.resume = str(find_checkpoint(cfg.checkpoint or cfg.trainer.resume))
-        _take_options(cfg, cfg.trainer.resume, CHECKPOINT_OPTIONS)
+        _take_options(cfg, cfg.trainer.resume, CHECKPOINT_OPTIONS, hydra, task, say)
     return validate(cfg)
 
 
-def _take_options(cfg: TrainConfig, path: str, keys):
+def _take_options(cfg: TrainConfig, path: str, keys, hydra: DictConfig, task, say: bool):
     """cfg takes those `keys` of the options of the run that wrote the checkpoint at `path`
-    that its command line does not give."""
+    that its command line (the overrides `task`) does not give."""
     from trainer import checkpoint
     meta = checkpoint.read(Path(path))["meta"]
     written = recorded(meta.get("config", meta.get("options", {})))  # "options": the model's alone, in older ones
-    if keys is RUN_OPTIONS and "config" not in meta:
+    if say and keys is RUN_OPTIONS and "config" not in meta:
         log.warning("%s was written before checkpoints kept every option of their run: give the options it was "
                     "started with (its run's .hydra/overrides.yaml lists them)", path)
-    hydra = HydraConfig.get()
     defaults = GlobalHydra.instance().config_loader().load_configuration(
         hydra.job.config_name, list(hydra.overrides.hydra), RunMode.RUN)
     with open_dict(defaults):
         del defaults["hydra"]
-    choices = given(hydra.overrides.task)
+    choices = given(task)
     named = given_options(cfg, {*choices, *chosen_keys(choices)}, expand_paths(OmegaConf.to_object(defaults)))
     changed = given_changes(cfg, written, keys, named)
-    if changed:
+    if changed and say:
         log.info("this command changes the options of the run that wrote %s: %s", path,
                  " ".join(f"{key}={now} (was {then})" for key, (then, now) in changed.items()))
     taken = take_options(cfg, written, keys, named)
-    if taken:
+    if taken and say:
         log.info("as the run that wrote %s: %s", path, " ".join(f"{key}={value}" for key, value in taken.items()))
 
 
@@ -168,13 +170,14 @@ class RunDirectory(Callback):
         else:
             _make(config.hydra.run.dir, "hydra.run.dir")
         if _is_main():  # the ranks of a torchrun job share the folder, whose results rank 0 writes
-            _hold(config.hydra.run.dir)
             _refuse_another_runs(Path(config.hydra.run.dir), config)
+            _hold(config.hydra.run.dir)
 
     def on_multirun_start(self, config: DictConfig, **kwargs):
         if "hydra.sweep.dir" not in given(config.hydra.overrides.hydra):
             _validate_jobs(config)
             _new_folder(config, "sweep")
+            _hold(config.hydra.sweep.dir)
             with open_dict(config):  # the launcher composes each job's configuration again from these
                 config.hydra.overrides.hydra.append(f"hydra.sweep.dir={_quoted(config.hydra.sweep.dir)}")
             return
@@ -232,11 +235,9 @@ def _validate_jobs(config: DictConfig, named: bool = False):
         folders[folder] = number
         if named:  # a folder the sweep is given, not a new one: before Hydra writes the job's .hydra/ over a run's
             _refuse_another_runs(folder, job_config)
-        if job_config.trainer.resume or job_config.checkpoint:
-            continue  # validated as it starts, with the options it takes from the checkpoint
-        try:
-            validate(OmegaConf.to_object(job_config))
-        except ConfigError as e:
+        try:  # with the options a job that reads a checkpoint takes from it, as it will as it starts
+            _configured(job_config, folder, config.hydra, list(job), say=False)
+        except TrainerError as e:
             print(f"sweep job {number} ({' '.join(job)}): {e}; no job has run", file=sys.stderr)
             raise SystemExit(2)
 
@@ -297,6 +298,11 @@ def _hold(folder: str):
         print(f"{folder} is in use by another run that has not ended (a resume of the same run, or one given the same "
               "folder): wait for it to end, or give this run a folder of its own (hydra.run.dir=...)", file=sys.stderr)
         raise SystemExit(2)
+    except OSError as e:  # a file system without flock on folders (NFS, Lustre without its flock option)
+        os.close(handle)
+        print(f"warning: {folder} cannot be locked ({e.strerror}); a second run in it at the same time would not be "
+              "refused", file=sys.stderr)
+        return
     _HELD.append(handle)
 
 
@@ -349,9 +355,11 @@ def _where_to_continue(cfg: DictConfig, run_dir: Path) -> str:
     if found:
         return (f"; continue from {found[-1].name} with {continue_with(run_dir, world)} (which takes this run's "
                 "options from it)")
-    if cfg.trainer.resume:  # a branch, in a folder of its own (in its run's, that run's checkpoints are found)
+    if cfg.trainer.resume and "hydra.run.dir" in given(HydraConfig.get().overrides.hydra):  # a branch's folder
         return (f" before its first checkpoint: {run_dir} holds nothing to continue from; remove it and run the same "
                 "command again")
+    if cfg.trainer.resume:  # a checkpoint outside a run's folder: a new folder each time
+        return f" before its first checkpoint; continue again from {continue_with(cfg.trainer.resume, world)}"
     return " before the first checkpoint: nothing to continue from"
 
 
@@ -381,11 +389,11 @@ def _exit_now(signum, frame):
 def main(dict_cfg: DictConfig):
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        cfg = _configured(dict_cfg, run_dir)
         from trainer.dist import launched
         signal.signal(signal.SIGINT, _interrupt)
         if not launched():  # under torchrun its agent stops the ranks, which may be waiting in a collective
             signal.signal(signal.SIGTERM, _interrupt)
+        cfg = _configured(dict_cfg, run_dir, HydraConfig.get(), HydraConfig.get().overrides.task)
         MODES[cfg.mode](cfg, run_dir)
     except TrainerError as e:
         log.error("%s", e)

@@ -22,21 +22,25 @@ def too_large(plan: MemoryPlan, device: torch.device, why: str = "") -> str:
             f"lower them; mode=plan lists every region")
 
 
-def host_memory_available() -> int | None:
+def host_memory_available(root: Path = Path("/")) -> int | None:
     """The bytes this process may still fill on the host: the kernel's estimate of what can be
-    had without swapping (MemAvailable), under its cgroup's limit where one is set; None where
-    the kernel says neither (not Linux)."""
-    def read(path: str) -> str | None:
+    had without swapping (MemAvailable), under its cgroup's limit where one is set (cgroup v2:
+    the limit less what the group uses, the page cache it can drop not counted, as kubelet
+    counts it); None where the kernel says neither (not Linux). `root`: where /proc and /sys are."""
+    def read(path) -> str:
         try:
             return Path(path).read_text()
         except OSError:
-            return None
-    found = []
-    meminfo = read("/proc/meminfo") or ""
-    found += [int(line.split()[1]) * 1024 for line in meminfo.splitlines() if line.startswith("MemAvailable:")]
-    limit, used = read("/sys/fs/cgroup/memory.max"), read("/sys/fs/cgroup/memory.current")
-    if limit and used and limit.strip() != "max":
-        found.append(int(limit) - int(used))
+            return ""
+    def field(text: str, name: str) -> int | None:
+        return next((int(line.split()[1]) for line in text.splitlines() if line.split()[:1] == [name]), None)
+    available = field(read(root / "proc/meminfo"), "MemAvailable:")
+    found = [] if available is None else [available * 1024]
+    group = next((line[3:] for line in read(root / "proc/self/cgroup").splitlines() if line.startswith("0::")), "/")
+    folder = root / "sys/fs/cgroup" / group.strip().lstrip("/")
+    limit, used = read(folder / "memory.max").strip(), read(folder / "memory.current").strip()
+    if limit.isdigit() and used.isdigit():
+        found.append(max(0, int(limit) - int(used) + (field(read(folder / "memory.stat"), "inactive_file") or 0)))
     return min(found) if found else None
 
 

@@ -4,6 +4,7 @@ that type-check but cannot work. Both end in one message and a non-zero exit."""
 import difflib
 import math
 import os
+import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from functools import reduce
 from pathlib import Path
@@ -366,6 +367,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for key in _NON_NEGATIVE:
         if _get(cfg, key) < 0:
             raise ConfigError(f"{key}={_get(cfg, key)} must not be negative")
+    if cfg.data.threads > 1024:  # DALI aborts the process, without a message, when it cannot start them
+        raise ConfigError(f"data.threads={cfg.data.threads}: at most 1024 threads a rank (0: this host's cores)")
     for key in _FRACTIONS:
         if not 0 <= _get(cfg, key) < 1:
             raise ConfigError(f"{key}={_get(cfg, key)} must lie in [0, 1)")
@@ -471,7 +474,8 @@ def unknown_override(overrides: list[str]) -> str | None:
     known = set(options(TrainConfig())) | set(GROUPS)
     for override in overrides:
         key = override.partition("=")[0]
-        if ("=" in override and key.replace(".", "").replace("_", "").isalnum() and key not in known
+        option = re.sub(r"(\.\d+)+$", "", key)  # schedule.milestones.1=50 sets one item of a list
+        if ("=" in override and key.replace(".", "").replace("_", "").isalnum() and option not in known
                 and not key.startswith(("hydra.", "compile_options."))):
             return no_such_key(key)
     return None
