@@ -51,6 +51,9 @@ def test_a_run_whose_data_set_moved_resumes_and_evaluates_given_data_root_alone(
     # the file it read, not its run's folder, where a resumed run writes newer ones
     assert summary["checkpoint"] == str(tmp_path / "run" / "checkpoints" / "epoch_0002.pt")
     assert f"evaluating {summary['checkpoint']}" in evaluated.stdout + evaluated.stderr
+    # export reads no image: the checkpoint's data.root, gone, is not looked at
+    exported = run(tmp_path / "export", "mode=export", f"checkpoint={tmp_path / 'run'}")
+    assert exported.returncode == 0 and (tmp_path / "export" / "model_state_dict.pt").exists(), exported.stderr
 
 
 def test_a_sweep_job_sent_into_another_runs_folder_is_refused_before_any_job_runs(tmp_path):

@@ -120,7 +120,9 @@ def run_export(cfg: TrainConfig, run_dir: Path):
     from trainer.export import state_dict
     from trainer.setup import make_plans
     path = cfg.trainer.resume
-    model, plans, _ = make_plans(cfg)
+    # one batch for the data's sizes: the model's regions, which export reads, do not depend on
+    # them, and the data set, which it does not read, need not be there
+    model, plans, _ = make_plans(cfg, sizes=(cfg.trainer.batch_size,) * 2)
     arena = Arena(plans.main)
     tensors = plans.tensors[plans.variants[0].name]
     bind(model, tensors, arena)

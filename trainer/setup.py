@@ -62,9 +62,10 @@ def freeze_steps(cfg: TrainConfig, per_epoch: int) -> dict[str, int]:
     return {part: round(epochs * per_epoch) for part, epochs in freeze_epochs(cfg).items() if epochs >= 0}
 
 
-def make_variants(cfg: TrainConfig, world: int = 1) -> tuple[list[Variant], int]:
-    """The variants and the training steps of a full epoch, from the per-rank data size."""
-    train_size, val_size = dataset_sizes(cfg.data)
+def make_variants(cfg: TrainConfig, world: int = 1, sizes: tuple[int, int] | None = None) -> tuple[list[Variant], int]:
+    """The variants and the training steps of a full epoch, from the per-rank data size (of
+    the data set, or `sizes`: examples to train and evaluate on)."""
+    train_size, val_size = sizes or dataset_sizes(cfg.data)
     t = cfg.trainer
     per_rank_train, per_rank_val = train_size // world, -(-val_size // world)
     if per_rank_train < t.batch_size and t.drop_last:
@@ -106,10 +107,11 @@ def check_inputs_fit(cfg: TrainConfig, variants: list[Variant]):
                         else "trainer.batch_size"))
 
 
-def make_plans(cfg: TrainConfig, world: int = 1) -> tuple[nn.Module, Plans, int]:
-    """The model, its plans and the training steps of a full epoch on each rank."""
+def make_plans(cfg: TrainConfig, world: int = 1, sizes: tuple[int, int] | None = None) -> tuple[nn.Module, Plans, int]:
+    """The model, its plans and the training steps of a full epoch on each rank (`sizes`: see
+    make_variants)."""
     model = make_model(cfg)
-    variants, per_epoch = make_variants(cfg, world)
+    variants, per_epoch = make_variants(cfg, world, sizes)
     check_inputs_fit(cfg, variants)
     steps = total_steps(cfg.trainer.epochs, per_epoch)
     return model, build_plans(model, plan_config(cfg, steps, world), variants, cfg.model.num_classes), per_epoch
