@@ -1,10 +1,14 @@
 """run.py's command line around the run itself: signals between a sweep's jobs, the folders
 a sweep's jobs take, and the messages for what Hydra or OmegaConf refuse."""
 import json
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from tests.test_trainer import command, from_a_terminal, run, started
 
@@ -135,3 +139,16 @@ def test_a_sweep_of_resumes_checks_every_job_with_its_checkpoints_options_first(
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stderr.strip().endswith("optimizer.lr=-1.0 must not be negative; no job has run"), out.stderr
     assert not (tmp_path / "sweep" / "0").exists()
+
+
+@pytest.mark.parametrize("path", ["/runs/a", "/runs/lr=0.1,bs=64", "/runs/a b", "/runs/it's", '/runs/q"uote',
+                                  "/runs/back\\", "/runs/[a]{b}(c):d"])
+def test_the_advice_to_continue_is_a_command_line_word_that_gives_the_path(path):
+    """The advice printed trainer.resume=/runs/lr=0.1,bs=64, which the shell passes on as it
+    is and Hydra's grammar then refuses (a comma makes a sweep); quoted for both, it gives
+    back the path."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from trainer.run_dir import continue_with
+    words = shlex.split(continue_with(Path(path), 1))
+    assert len(words) == 1 and OverridesParser.create().parse_override(words[0]).value() == path

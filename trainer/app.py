@@ -4,7 +4,6 @@ import itertools
 import json
 import logging
 import os
-import re
 import signal
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 from trainer.config import (CHECKPOINT_OPTIONS, RUN_OPTIONS, TrainConfig, chosen_keys, expand_paths, given_changes,
                             given_options, recorded, take_options, validate)
 from trainer.errors import CheckpointError, ConfigError, TrainerError
-from trainer.run_dir import (continue_with, find_checkpoint, given, other_run, restart_checkpoint, restarted,
+from trainer.run_dir import (continue_with, find_checkpoint, given, other_run, override, restart_checkpoint, restarted,
                              resumed_folder, saved)
 
 log = logging.getLogger("trainer")
@@ -181,7 +180,7 @@ class RunDirectory(Callback):
             _new_folder(config, "sweep")
             _hold(config.hydra.sweep.dir)
             with open_dict(config):  # the launcher composes each job's configuration again from these
-                config.hydra.overrides.hydra.append(f"hydra.sweep.dir={_quoted(config.hydra.sweep.dir)}")
+                config.hydra.overrides.hydra.append(override("hydra.sweep.dir", config.hydra.sweep.dir, shell=False))
             return
         sweep = Path(config.hydra.sweep.dir)
         for job in sorted(sweep.iterdir()) if sweep.is_dir() else ():
@@ -306,12 +305,6 @@ def _hold(folder: str):
               "refused", file=sys.stderr)
         return
     _HELD.append(handle)
-
-
-def _quoted(value: str) -> str:
-    """value as a quoted string of Hydra's override grammar, where backslashes are escaped
-    only before a quote or at the end."""
-    return "'" + re.sub(r"(\\*)('|$)", lambda m: m[1] * 2 + ("\\'" if m[2] else ""), value) + "'"
 
 
 def _is_main() -> bool:

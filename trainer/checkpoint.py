@@ -18,7 +18,7 @@ from trainer.dtensor import ITEMSIZE
 from trainer.errors import CheckpointError
 from trainer.plan import Baseline, MemoryPlan
 from trainer.regions import Region
-from trainer.run_dir import find_checkpoint, run_folder, saved, written_whole
+from trainer.run_dir import find_checkpoint, override, run_folder, saved, written_whole
 
 # Weights, EMA, half copies, BN statistics and optimizer moments: what training accumulates.
 STATE_REGIONS = tuple(r for r in Region if r.name[0] in "BWEAMVN")
@@ -74,7 +74,7 @@ def save(path: Path, arena: Arena, meta: dict, per_rank: dict | None = None):
             torch.save(payload, part)  # torch's file writer reports a failed write as a RuntimeError
     except (OSError, RuntimeError) as e:  # a full disk, a lost mount: the earlier checkpoints are whole
         raise CheckpointError(f"cannot write the checkpoint {path} ({e}); the earlier ones in {path.parent} "
-                              f"are intact: make room there, then continue with trainer.resume={path.parent}") from None
+                              f"are intact: make room there, then continue with {override('trainer.resume', path.parent)}") from None
 
 
 def load(path: Path, arena: Arena, meta_now: dict, rank: int = 0, model_only: bool = False) -> dict:

@@ -21,7 +21,7 @@ from trainer.arena import Arena
 from trainer.collectives import Comm, GradSync, ShardedUpdate, all_gather
 from trainer.errors import ConfigError, PlanError
 from trainer.regions import Region as R
-from trainer.run_dir import agent_started_at, given, resumed_folder
+from trainer.run_dir import agent_started_at, given, override, resumed_folder
 
 
 @dataclass
@@ -175,7 +175,7 @@ def launch_overrides(argv: list[str], env=os.environ) -> list[str]:
     if "hydra.run.dir" not in args:
         resume = os.path.expanduser(args.get("trainer.resume", "").strip("'\""))  # as Hydra and the config read it
         folder = resumed_folder(resume) if resume else None
-        out.append(f"hydra.run.dir={folder or f'outputs/torchrun/{job_id(env)}'}")
+        out.append(override("hydra.run.dir", folder or f"outputs/torchrun/{job_id(env)}", shell=False))
     rank = int(env["RANK"])
     if rank:  # rank 0 keeps run.log and .hydra/; the others log their warnings and errors
         out += [f"hydra.job.name=run_rank{rank}", "hydra.output_subdir=null", "hydra.job_logging.root.level=WARNING"]

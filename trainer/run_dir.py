@@ -8,6 +8,7 @@ callback that checks the folder runs before the configuration is read.
 import contextlib
 import os
 import re
+import shlex
 from pathlib import Path
 
 from omegaconf import ListConfig, OmegaConf
@@ -91,7 +92,24 @@ def continue_with(run_dir: Path, world: int) -> str:
     """How a run of `world` processes goes on from its folder's newest checkpoint: under
     torchrun, with as many (a resume of another number is refused: the epochs' steps and
     the data's split among ranks depend on it)."""
-    return f"trainer.resume={run_dir}" + (f", under torchrun with {world} processes as this job" if world > 1 else "")
+    return override("trainer.resume", run_dir) + (f", under torchrun with {world} processes as this job"
+                                                  if world > 1 else "")
+
+
+def override(key: str, value, shell: bool = True) -> str:
+    """key=value as Hydra takes it from a command line (`shell`: as a shell's gives it): a value
+    with more than letters, digits and ./_-~+@% (a comma, an =, brackets, quotes, spaces)
+    quoted for Hydra's grammar, and that for the shell."""
+    value = str(value)
+    if re.fullmatch(r"[\w./~+@%-]+", value):
+        return f"{key}={value}"
+    return shlex.quote(f"{key}={_hydra_quoted(value)}") if shell else f"{key}={_hydra_quoted(value)}"
+
+
+def _hydra_quoted(value: str) -> str:
+    """value as a quoted string of Hydra's override grammar, where backslashes are escaped
+    only before a quote or at the end."""
+    return '"' + re.sub(r'(\\*)("|$)', lambda m: m[1] * 2 + ('\\"' if m[2] else ""), value) + '"'
 
 
 def run_folder(checkpoint: str) -> Path:
@@ -129,12 +147,12 @@ def other_run(run_dir: Path, resume: str) -> str | None:
         if found and Path(resume).is_file() and Path(resume).resolve() != found[-1].resolve():
             return (f"{resume} is not its run's newest checkpoint ({found[-1].name} is): training on from it in "
                     f"{run_dir} would write over the newer ones; give this branch a folder of its own "
-                    f"(hydra.run.dir=...), or continue from the newest with trainer.resume={run_dir}")
+                    f"(hydra.run.dir=...), or continue from the newest with {override('trainer.resume', run_dir)}")
         return None
     if restarted() and not found and records.exists() and _this_jobs(records):
         return None  # torchrun restarted this job before its first checkpoint
     if found:
         return (f"{run_dir} holds another run's checkpoints ({found[-1].name}): continue that run with "
-                f"trainer.resume={run_dir}, or give this one a folder of its own (hydra.run.dir=...)")
+                f"{override('trainer.resume', run_dir)}, or give this one a folder of its own (hydra.run.dir=...)")
     return (f"{run_dir} holds another run's results ({', '.join(written)}), and no checkpoint to continue from: "
             "give this run a folder of its own (hydra.run.dir=...), or remove them to start over there")
