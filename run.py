@@ -16,6 +16,7 @@ except KeyboardInterrupt:
     raise interrupted() from None
 
 register()
+sys.stdout.reconfigure(errors="backslashreplace")  # the log's console: as stderr writes a name that is not UTF-8
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")

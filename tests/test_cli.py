@@ -1,6 +1,7 @@
 """run.py's command line around the run itself: signals between a sweep's jobs, the folders
 a sweep's jobs take, and the messages for what Hydra or OmegaConf refuse."""
 import json
+import os
 import shlex
 import shutil
 import signal
@@ -152,3 +153,20 @@ def test_the_advice_to_continue_is_a_command_line_word_that_gives_the_path(path)
     from trainer.run_dir import continue_with
     words = shlex.split(continue_with(Path(path), 1))
     assert len(words) == 1 and OverridesParser.create().parse_override(words[0]).value() == path
+
+
+def test_a_message_naming_a_file_whose_name_is_not_utf8_is_logged(tmp_path):
+    """The log's console and file refused the name's surrogates: logging's traceback took the
+    message's place, and run.log stayed empty."""
+    from PIL import Image
+    for split, classes in (("train", [b"a", b"b"]), ("val", [b"a", b"\xe9t\xe9"])):
+        for name in classes:
+            folder = os.path.join(os.fsencode(tmp_path / "data" / split), name)
+            os.makedirs(folder)
+            for image in (b"0.jpg", b"1.jpg"):
+                Image.new("RGB", (20, 20)).save(os.fsdecode(os.path.join(folder, image)))
+    out = run(tmp_path / "run", "data=imagefolder", f"data.root={tmp_path / 'data'}", "data.num_classes=2",
+              "data.resolution=16", "trainer.batch_size=2")
+    said = "differ in their class folders (b, \\udce9t\\udce9)"
+    assert out.returncode == 2 and said in out.stdout and "Logging error" not in out.stderr, out.stdout + out.stderr
+    assert said in (tmp_path / "run" / "run.log").read_text()
