@@ -38,7 +38,8 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 def test_a_run_whose_data_set_moved_resumes_and_evaluates_given_data_root_alone(tmp_path):
     """The data options come from the checkpoint: data.root=NEW alone was refused against the
     defaults' data=synthetic before they were taken, and the advice it gave (data=imagefolder)
-    chose that group's resolution and classes over the run's."""
+    chose that group's resolution and classes over the run's. Evaluation needs the val split
+    alone."""
     from trainer.data.make_jpeg_tree import main as make_jpeg_tree
     make_jpeg_tree([str(tmp_path / "before"), "--classes", "2", "--per-class", "8", "--val-per-class", "2",
                     "--size", "24x20", "--jobs", "1"])
@@ -50,9 +51,13 @@ def test_a_run_whose_data_set_moved_resumes_and_evaluates_given_data_root_alone(
     resumed = run(tmp_path / "run", f"trainer.resume={tmp_path / 'run'}", f"data.root={tmp_path / 'after'}")
     assert resumed.returncode == 0, resumed.stderr
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["epochs"] == 2
+    # evaluation reads the val split alone: the training split may be gone
+    shutil.rmtree(tmp_path / "after" / "train")
     evaluated = run(tmp_path / "eval", "mode=eval", f"checkpoint={tmp_path / 'run'}", f"data.root={tmp_path / 'after'}")
     assert evaluated.returncode == 0, evaluated.stderr
     summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
+    trained = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (summary["val_top1"], summary["val_loss"]) == pytest.approx((trained["val_top1"], trained["val_loss"]))
     # the file it read, not its run's folder, where a resumed run writes newer ones
     assert summary["checkpoint"] == str(tmp_path / "run" / "checkpoints" / "epoch_0002.pt")
     assert f"evaluating {summary['checkpoint']}" in evaluated.stdout + evaluated.stderr

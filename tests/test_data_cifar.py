@@ -260,6 +260,17 @@ def test_test_class_folders_named_otherwise_than_trains_are_refused(tmp_path, pa
         build_sources(config(roots[1]), CPU, 0, 1, None)
 
 
+def test_evaluation_alone_decodes_the_test_split_only(tmp_path):
+    """A damaged training JPEG stood in the way of mode=eval, which decoded both splits."""
+    root = jpeg_tree(tmp_path / "tree", CLASSES)
+    (root / "train" / "cat" / "0.jpg").write_bytes(b"")
+    with pytest.raises(DataError, match="corrupt JPEG"):
+        build_sources(config(root), CPU, 0, 1, None)
+    train, val = build_sources(config(root, val_batch=N_VAL), CPU, 0, 1, None, read_train=False)
+    red = pixels(epoch(val, 1, N_VAL)[0][0])[..., 0].mean((1, 2))
+    assert train is None and (red / 25).round().int().tolist() == val.labels.tolist()
+
+
 @pytest.mark.skipif(not Path("/proc/self/mem").exists(), reason="needs Linux's /proc/self/mem")
 def test_a_jpeg_that_cannot_be_read_is_named_with_the_reason(tmp_path):
     root = jpeg_tree(tmp_path / "tree", CLASSES)

@@ -149,6 +149,27 @@ def test_val_must_have_the_training_classes(tree):
         build_sources(config(tree), CPU, 0, 1, None)
 
 
+def test_evaluation_alone_reads_the_val_split_only(tree):
+    """mode=eval listed and checked every training file: a damaged one, or a training split
+    left behind, kept a checkpoint from being evaluated."""
+    bad = tree / "train" / "apple" / "3.jpg"
+    bad.write_bytes(b"")
+    train, val = build_sources(config(tree, val_batch=3), CPU, 0, 1, None, read_train=False)
+    assert train is None and val.size == 6
+    labels = [lab for _, label, _ in serve(val, (3, 3), 24, mask=True) for lab in label.tolist()]
+    reference = build_sources(config(tree, val_batch=3, check_files=False), CPU, 0, 1, None)[1]
+    assert labels == [lab for _, label, _ in serve(reference, (3, 3), 24, mask=True) for lab in label.tolist()]
+    # the training folder's class names still check the labels', where it is there
+    (tree / "train" / "apple").rename(tree / "train" / "apricot")
+    with pytest.raises(DataError, match=r"differ in their class folders \(apple, apricot\)"):
+        build_sources(config(tree), CPU, 0, 1, None, read_train=False)
+    shutil.rmtree(tree / "train")
+    assert build_sources(config(tree), CPU, 0, 1, None, read_train=False)[1].size == 6
+    assert dataset_sizes(config(tree).data, read_train=False) == (0, 6)
+    with pytest.raises(DataError, match=f"{tree / 'val'} has 3 class folders .* but data.num_classes=2"):
+        build_sources(config(tree, num_classes=2), CPU, 0, 1, None, read_train=False)
+
+
 def test_missing_directories(tree, tmp_path):
     with pytest.raises(DataError, match=f"missing data.root {tmp_path / 'nowhere'}"):
         build_sources(config(tmp_path / "nowhere"), CPU, 0, 1, None)

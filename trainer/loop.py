@@ -21,7 +21,7 @@ import kernels
 from trainer import checkpoint
 from trainer.arena import HALF
 from trainer.config import ScheduleConfig, TrainConfig, ignored, options, unreached
-from trainer.data import build_sources, source_module
+from trainer.data import build_sources, dataset_sizes, source_module
 from trainer.dist import Dist, device_for
 from trainer.errors import ConfigError, DivergedError
 from trainer.feeder import BUFFERS, DoubleBuffer
@@ -59,13 +59,16 @@ class Trainer:
         source_module(cfg.data)
         kernels.load("auto", self.device)
         with ThreadPoolExecutor(1) as pool:
-            data = pool.submit(self._load_data, cfg)
+            data = pool.submit(self._load_data, cfg, not evaluate_only)
             if cfg.compile:  # inductor's import, otherwise paid at the first compilation
                 importlib.import_module("torch._inductor.compile_fx")
-            init = None
-            if t.first_conv_init == "whiten":
+            init, sizes = None, None
+            if evaluate_only:  # the checkpoint's weights replace the initial ones; one training batch is planned
+                sizes = (t.batch_size * dist.world, dataset_sizes(cfg.data, read_train=False)[1])
+            elif t.first_conv_init == "whiten":
                 init = lambda model: whiten_first_conv(first_conv(model), data.result()[0].peek(5000))
-            self.engine = e = assemble(cfg, self.device, dist.world, init, grad_sync_factory=dist.grad_sync_factory)
+            self.engine = e = assemble(cfg, self.device, dist.world, init, grad_sync_factory=dist.grad_sync_factory,
+                                       sizes=sizes)
             model_and_plan = self.clock()  # its own time: the data may still be loading
             self.train_source, self.val_source = data.result()
         dist.prepare(e)
@@ -123,11 +126,11 @@ class Trainer:
         log.info("set-up %.1f s: data %.1f s beside model and plan %.1f s, then warm-up, compilation and capture "
                  "%.1f s", self.setup_s, *self.setup_parts.values())
 
-    def _load_data(self, cfg: TrainConfig):
+    def _load_data(self, cfg: TrainConfig, read_train: bool):
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # the current device is per thread
         sources = build_sources(cfg, self.device, self.dist.rank, self.dist.world,
-                                HALF[cfg.amp_dtype] if cfg.amp else None)
+                                HALF[cfg.amp_dtype] if cfg.amp else None, read_train)
         self.data_s = self.clock()
         return sources
 

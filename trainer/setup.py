@@ -147,11 +147,13 @@ class Engine:
 
 
 def assemble(cfg: TrainConfig, device: torch.device, world: int = 1,
-             init_model: Callable[[nn.Module], None] | None = None, grad_sync_factory=None) -> Engine:
+             init_model: Callable[[nn.Module], None] | None = None, grad_sync_factory=None,
+             sizes: tuple[int, int] | None = None) -> Engine:
     """model -> plans -> arena -> bind -> range ops -> programs -> executor. `init_model`
-    may change the model's initial values (data-dependent init) before they enter the arena."""
+    may change the model's initial values (data-dependent init) before they enter the arena;
+    `sizes`: see make_variants."""
     t = cfg.trainer
-    model, plans, per_epoch = make_plans(cfg, world)
+    model, plans, per_epoch = make_plans(cfg, world, sizes)
     model.to(device)
     if init_model is not None:
         init_model(model)

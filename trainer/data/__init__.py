@@ -22,10 +22,12 @@ _MODULES = {"synthetic": "trainer.data.synthetic", "cifar10": "trainer.data.cifa
             "imagefolder": "trainer.data.jpeg_folder"}
 
 
-def dataset_sizes(d: DataConfig) -> tuple[int, int]:
+def dataset_sizes(d: DataConfig, read_train: bool = True) -> tuple[int, int]:
     """Examples in the training and evaluation splits: train_size / val_size of them, all
     where 0 (the synthetic set, and a JPEG folder planned without data.root, have exactly
-    the sizes given); more than a split holds is refused, not trained on as fewer."""
+    the sizes given); more than a split holds is refused, not trained on as fewer.
+    read_train=False (evaluation alone): a JPEG folder's training split is not listed, and
+    its size is data.train_size as given."""
     if d.name == "synthetic":
         return d.train_size or _SYNTHETIC_DEFAULT[0], d.val_size or _SYNTHETIC_DEFAULT[1]
     if d.name == "imagefolder" and not d.root:  # mode=plan without the files: the sizes must be given
@@ -34,7 +36,8 @@ def dataset_sizes(d: DataConfig) -> tuple[int, int]:
                               "or data.train_size and data.val_size")
         return d.train_size, d.val_size
     if d.name == "imagefolder":
-        full = tuple(len(list_split(find_split(Path(d.root), (split,)))[0]) for split in ("train", "val"))
+        full = tuple(len(list_split(find_split(Path(d.root), (split,)))[0]) if read_train or split == "val"
+                     else d.train_size for split in ("train", "val"))
     else:  # CIFAR-10's sizes are known: no file is read, with or without data.root
         full = _FULL_SIZE[d.name]
     for split, asked, have in (("train", d.train_size, full[0]), ("val", d.val_size, full[1])):
@@ -45,17 +48,20 @@ def dataset_sizes(d: DataConfig) -> tuple[int, int]:
 
 
 def build_sources(cfg: TrainConfig, device: torch.device, rank: int, world: int,
-                  half: torch.dtype | None) -> tuple[Source, Source]:
+                  half: torch.dtype | None, read_train: bool = True) -> tuple[Source | None, Source]:
     """(train, val) sources for this rank. half: torch.float16/bfloat16 under AMP (data
-    written as that dtype, 4 channels: RGB + a zero channel), None for fp32 3-channel data."""
+    written as that dtype, 4 channels: RGB + a zero channel), None for fp32 3-channel data.
+    read_train=False (evaluation alone): the data sets read from files leave their training
+    split unread, so that neither its files nor a damaged one among them stand in the way,
+    and give None for it."""
     d, t = cfg.data, cfg.trainer
     if not d.threads:  # JPEG decoding is CPU-bound in part (Huffman decoding): use the cores
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         d = dataclasses.replace(d, threads=max(1, (os.cpu_count() or 1) // local))
-    train_size, val_size = dataset_sizes(d)
+    train_size, val_size = dataset_sizes(d, read_train)
     train = Shard(train_size, t.batch_size, rank, world, train=True, drop_last=t.drop_last)
     val = Shard(val_size, val_batch(t, val_size, world), rank, world, train=False)
-    return source_module(d).sources(d, train, val, t.seed + d.seed_offset, device, half)
+    return source_module(d).sources(d, train, val, t.seed + d.seed_offset, device, half, read_train)
 
 
 def val_batch(t: TrainerConfig, val_size: int, world: int) -> int:

@@ -146,8 +146,8 @@ def decode(root: Path, raw: bytes | None, d: DataConfig, sizes: dict[str, int]) 
     return out
 
 
-def sources(d: DataConfig, train: Shard, val: Shard, seed: int, device: torch.device,
-            half: torch.dtype | None) -> tuple[ResidentSource, ResidentSource]:
+def sources(d: DataConfig, train: Shard, val: Shard, seed: int, device: torch.device, half: torch.dtype | None,
+            read_train: bool = True) -> tuple[ResidentSource | None, ResidentSource]:
     root = Path(d.root)
     if not root.exists():
         raise DataError(f"missing data.root {root}: point it at the CIFAR-10 JPEG tree, its .tgz, "
@@ -156,7 +156,8 @@ def sources(d: DataConfig, train: Shard, val: Shard, seed: int, device: torch.de
         raw = root.read_bytes() if root.is_file() else None
     except OSError as e:
         raise DataError(f"cannot read the archive {root} ({e.strerror}): check its permissions") from None
-    sizes = {"train": train.total, "val": val.total}
+    shards = {"train": train, "val": val} if read_train else {"val": val}  # evaluation alone decodes val only
+    sizes = {split: shard.total for split, shard in shards.items()}
     cache = decoded_cache.entry(d.decode_cache, raw, sizes, d.num_classes) if raw and d.decode_cache else None
     shapes = {f"{s}_{kind}": (n, 32, 32, 3) if kind == "images" else (n,)
               for s, n in sizes.items() for kind in ("images", "labels")}
@@ -165,7 +166,8 @@ def sources(d: DataConfig, train: Shard, val: Shard, seed: int, device: torch.de
         splits = decode(root, raw, d, sizes)
         if cache:
             decoded_cache.save(cache, splits)
-    return tuple(ResidentSource(torch.from_numpy(splits[f"{s}_images"]).to(device),
-                                torch.from_numpy(splits[f"{s}_labels"]).to(device), shard, d.num_classes,
-                                CIFAR_MEAN, CIFAR_STD, d, seed, augment=s == "train", half=half)
-                 for s, shard in (("train", train), ("val", val)))
+    made = {s: ResidentSource(torch.from_numpy(splits[f"{s}_images"]).to(device),
+                              torch.from_numpy(splits[f"{s}_labels"]).to(device), shard, d.num_classes,
+                              CIFAR_MEAN, CIFAR_STD, d, seed, augment=s == "train", half=half)
+            for s, shard in shards.items()}
+    return made.get("train"), made["val"]

@@ -36,12 +36,17 @@ def find_split(root: Path, names: tuple[str, ...]) -> Path:
     raise DataError(f"missing directory {root / names[0]}: data.root={root} must hold {names[0]}/<class>/*.jpg")
 
 
+def class_folders(folder: Path) -> list[str]:
+    """The class names: the sorted names of `folder`'s folders."""
+    return sorted(e.name for e in os.scandir(folder) if e.is_dir())
+
+
 def list_split(folder: Path) -> tuple[list[str], np.ndarray, list[str]]:
     """(files, labels int32, class names): classes are the sorted folder names, so label k
     is the k-th folder in alphabetical order (CIFAR-10's usual order)."""
     if not folder.is_dir():
         raise DataError(f"missing directory {folder}: expected class folders {folder}/<class>/*.jpg")
-    classes = sorted(e.name for e in os.scandir(folder) if e.is_dir())
+    classes = class_folders(folder)
     if not classes:
         raise DataError(f"no class folders in {folder}: expected {folder}/<class>/*.jpg")
     files, labels = [], []

@@ -34,7 +34,8 @@ from nvidia.dali import fn, types
 
 from trainer.config import DataConfig
 from trainer.data.dali import DaliSource
-from trainer.data.jpeg_files import check_files, decode_error, find_split, list_split, same_classes
+from trainer.data.jpeg_files import (check_files, class_folders, decode_error, find_split, list_split,
+                                     same_classes)
 from trainer.data.source import Shard, resized_crop_draws, subset
 from trainer.errors import DataError
 
@@ -157,16 +158,23 @@ class JpegFolderSource(DaliSource):
         return decode_error(names, encoded, error)
 
 
-def sources(d: DataConfig, train: Shard, val: Shard, seed: int, device: torch.device,
-            half: torch.dtype | None) -> tuple[JpegFolderSource, JpegFolderSource]:
+def sources(d: DataConfig, train: Shard, val: Shard, seed: int, device: torch.device, half: torch.dtype | None,
+            read_train: bool = True) -> tuple[JpegFolderSource | None, JpegFolderSource]:
     root = Path(d.root)
-    (train_files, train_labels, classes), (val_files, val_labels, val_classes) = (
-        list_split(find_split(root, (split,))) for split in ("train", "val"))
-    same_classes(str(root / "train"), classes, str(root / "val"), val_classes, d.num_classes)
-    train_keep, val_keep = subset(len(train_files), train.total, 0), subset(len(val_files), val.total, 1)
-    train_files, train_labels = [train_files[i] for i in train_keep], train_labels[train_keep]
+    val_files, val_labels, val_classes = list_split(find_split(root, ("val",)))
+    val_keep = subset(len(val_files), val.total, 1)
     val_files, val_labels = [val_files[i] for i in val_keep], val_labels[val_keep]
+    if read_train:
+        train_files, train_labels, classes = list_split(find_split(root, ("train",)))
+        train_keep = subset(len(train_files), train.total, 0)
+        train_files, train_labels = [train_files[i] for i in train_keep], train_labels[train_keep]
+    else:  # the training split's class names alone, where it is there, for the labels' check
+        train_files = []
+        classes = class_folders(root / "train") if (root / "train").is_dir() else val_classes
+    named = root / ("train" if read_train or (root / "train").is_dir() else "val")
+    same_classes(str(named), classes, str(root / "val"), val_classes, d.num_classes)
     if d.check_files:
         check_files(train_files + val_files, d.threads)
-    return (JpegFolderSource(train_files, train_labels, train, len(classes), d, seed, device, half, augment=True),
+    return (JpegFolderSource(train_files, train_labels, train, len(classes), d, seed, device, half, augment=True)
+            if read_train else None,
             JpegFolderSource(val_files, val_labels, val, len(classes), d, seed, device, half, augment=False))

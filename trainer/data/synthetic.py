@@ -70,8 +70,10 @@ def channel_stats(images: np.ndarray) -> tuple[list[float], list[float]]:
     return mean, [float(np.sqrt(h @ (values - m) ** 2 / h.sum())) for h, m in zip(counts, mean)]
 
 
-def sources(d: DataConfig, train: Shard, val: Shard, seed: int, device: torch.device,
-            half: torch.dtype | None) -> tuple[SyntheticSource, SyntheticSource]:
+def sources(d: DataConfig, train: Shard, val: Shard, seed: int, device: torch.device, half: torch.dtype | None,
+            read_train: bool = True) -> tuple[SyntheticSource, SyntheticSource]:
+    """Both splits, read_train or not: they are generated, not read, and the training split's
+    statistics normalize the evaluation split too."""
     if d.num_classes != NUM_CLASSES:
         raise DataError(f"the synthetic data set has {NUM_CLASSES} classes but data.num_classes="
                         f"{d.num_classes}; set data.num_classes={NUM_CLASSES}")
