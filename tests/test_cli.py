@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_trainer import command, from_a_terminal, run, started
+from tests.test_trainer import ROOT, command, from_a_terminal, run, started
 
 
 def test_sigterm_between_a_sweeps_jobs_is_one_line(tmp_path):
@@ -175,3 +175,24 @@ def test_a_message_naming_a_file_whose_name_is_not_utf8_is_logged(tmp_path):
     said = "differ in their class folders (b, \\udce9t\\udce9)"
     assert out.returncode == 2 and said in out.stdout and "Logging error" not in out.stderr, out.stdout + out.stderr
     assert said in (tmp_path / "run" / "run.log").read_text()
+
+
+def test_an_error_in_the_checks_before_a_run_ends_it_there_with_one_line(tmp_path):
+    """Hydra turns what a callback raises into a warning and starts the job anyway: an
+    interpolation that resolves to nothing, met in the checks made before the run's folder,
+    gave OmegaConf's five-line message as a warning, a folder for a run that then failed,
+    and the checks were skipped."""
+    out = subprocess.run([sys.executable, str(ROOT / "run.py"), "trainer.resume=${nope}"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stderr) == (2, "trainer.resume: Interpolation key 'nope' not found\n"), out.stderr
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_a_sweep_is_checked_with_the_interpolations_its_command_line_gives(tmp_path):
+    """Its overrides were read resolved against Hydra's own node, where ${trainer.seed} is not:
+    the check of every job before the first was skipped with a warning, and job 0 ran before
+    job 1 was refused (trainer.epochs=0)."""
+    out = run(tmp_path / "sweep", "mode=plan", "trainer.epochs=${trainer.seed}", "trainer.seed=1,0", multirun=True)
+    assert out.returncode == 2 and "UserWarning" not in out.stderr, out.stderr
+    assert "sweep job 1 (" in out.stderr and "no job has run" in out.stderr, out.stderr
+    assert not (tmp_path / "sweep" / "0").exists()

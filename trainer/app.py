@@ -1,11 +1,13 @@
 """The Hydra application: validate the configuration, then run the requested mode."""
 import fcntl
+import functools
 import itertools
 import json
 import logging
 import os
 import signal
 import sys
+import traceback
 from pathlib import Path
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
@@ -60,8 +62,8 @@ def _configured(dict_cfg: DictConfig, run_dir: Path, hydra: DictConfig, task, sa
     `say`: log what it takes (not while a sweep checks its jobs before the first)."""
     try:
         cfg = expand_paths(OmegaConf.to_object(dict_cfg))
-    except OmegaConfBaseException as e:  # an interpolation that resolves to nothing: 'trainer.epochs=${data.foo}'
-        raise ConfigError(f"{e.full_key}: {str(e.msg).splitlines()[0]}") from None
+    except OmegaConfBaseException as e:
+        raise _unresolved(e) from None
     if cfg.mode == "train":
         cfg.trainer.resume = restart_checkpoint(run_dir) or cfg.trainer.resume
         if cfg.trainer.resume:
@@ -73,6 +75,12 @@ def _configured(dict_cfg: DictConfig, run_dir: Path, hydra: DictConfig, task, sa
         cfg.trainer.resume = str(find_checkpoint(cfg.checkpoint or cfg.trainer.resume))
         _take_options(cfg, cfg.trainer.resume, CHECKPOINT_OPTIONS, hydra, task, say)
     return validate(cfg)
+
+
+def _unresolved(e: OmegaConfBaseException) -> ConfigError:
+    """OmegaConf's error for an interpolation that resolves to nothing ('trainer.epochs=${data.foo}'),
+    in one line naming the key."""
+    return ConfigError(f"{e.full_key + ': ' if e.full_key else ''}{str(e.msg or e).splitlines()[0]}")
 
 
 def _take_options(cfg: TrainConfig, path: str, keys, hydra: DictConfig, task, say: bool):
@@ -143,6 +151,24 @@ def run_bench(cfg: TrainConfig, run_dir: Path):
 MODES = {"plan": run_plan, "train": run_train, "eval": run_eval, "export": run_export, "bench": run_bench}
 
 
+def _stops_the_run(callback):
+    """Hydra turns what a callback raises into a warning and starts the job anyway, past the
+    checks the callback makes (and with a folder made for a run that then fails): an error
+    in one ends the command here, with its message, or with its traceback where it is not
+    one of ours."""
+    @functools.wraps(callback)
+    def stopping(*args, **kwargs):
+        try:
+            return callback(*args, **kwargs)
+        except (TrainerError, OmegaConfBaseException) as e:
+            print(_unresolved(e) if isinstance(e, OmegaConfBaseException) else e, file=sys.stderr)
+            raise SystemExit(2)
+        except Exception:
+            traceback.print_exc()
+            raise SystemExit(1)
+    return stopping
+
+
 class RunDirectory(Callback):
     """Checks the run's folder before Hydra makes it and writes its .hydra/ files there: one
     Hydra cannot make (read-only, under a file) ends in its traceback, and a folder must not
@@ -154,15 +180,12 @@ class RunDirectory(Callback):
     def __init__(self):
         self.jobs, self.failed = 0, []  # of this sweep: its jobs run, "job N (its overrides): why" of those failed
 
+    @_stops_the_run
     def on_run_start(self, config: DictConfig, **kwargs):
         expand_paths(config)
         read = config.trainer.resume if config.mode == "train" else config.checkpoint or config.trainer.resume
         if read and config.mode in ("train", "eval", "export") and not restarted():  # a restart takes the folder's
-            try:  # before Hydra makes a folder for a run that cannot start
-                find_checkpoint(read)
-            except CheckpointError as e:
-                print(e, file=sys.stderr)
-                raise SystemExit(2)
+            find_checkpoint(read)  # before Hydra makes a folder for a run that cannot start
         named = "hydra.run.dir" in given(config.hydra.overrides.hydra)
         if config.mode == "train" and config.trainer.resume:
             named = _continue_in_its_folder(config) or named
@@ -174,6 +197,7 @@ class RunDirectory(Callback):
             _refuse_another_runs(Path(config.hydra.run.dir), config)
             _hold(config.hydra.run.dir)
 
+    @_stops_the_run
     def on_multirun_start(self, config: DictConfig, **kwargs):
         if "hydra.sweep.dir" not in given(config.hydra.overrides.hydra):
             _validate_jobs(config)
@@ -214,8 +238,11 @@ def _validate_jobs(config: DictConfig, named: bool = False):
     if config.hydra.sweeper._target_ != f"{BasicSweeper.__module__}.{BasicSweeper.__name__}":
         return  # other sweepers choose their jobs as they go
     loader = GlobalHydra.instance().config_loader()
-    params = [f"{key}={value}" for key, value in (config.hydra.sweeper.params or {}).items()]
-    overrides = OverridesParser.create(config_loader=loader).parse_overrides(params + list(config.hydra.overrides.task))
+    # unresolved, as Hydra's launcher reads them: an interpolation in one is the job's to resolve
+    params = config.hydra.sweeper.params
+    params = [f"{key}={value}" for key, value in (OmegaConf.to_container(params) if params else {}).items()]
+    task = OmegaConf.to_container(config.hydra.overrides.task)
+    overrides = OverridesParser.create(config_loader=loader).parse_overrides(params + task)
     folders = {}
     for number, job in enumerate(BasicSweeper.split_arguments(overrides, None)[0]):
         try:
