@@ -751,6 +751,24 @@ def test_the_hosts_free_memory_is_the_kernels_estimate_under_the_cgroups_limit(t
     assert arena.host_memory_available(tmp_path / "elsewhere") is None  # not Linux: nothing to go by
 
 
+@pytest.mark.parametrize("group, folder", [("/job/step", "job/step"), ("/host/path/of/the/container", "")])
+@pytest.mark.parametrize("limit, expected", [(str(6 << 30), 3 << 30), (str(2**63 - 4096), 8 << 30)])
+def test_a_cgroup_v1_memory_limit_bounds_the_free_memory(tmp_path, group, folder, limit, expected):
+    """cgroup v1's memory controller (limit_in_bytes less usage_in_bytes, total_inactive_file
+    not counted as used), in its group's folder or, in a container that mounts its own group
+    at the hierarchy's root and shows the host's path, there; its "no limit" is a number
+    beyond the host's memory. It was not read: a v1 container's limit was not seen."""
+    (tmp_path / "proc" / "self").mkdir(parents=True)
+    (tmp_path / "proc" / "meminfo").write_text(f"MemTotal: {16 << 20} kB\nMemAvailable: {8 << 20} kB\n")
+    (tmp_path / "proc" / "self" / "cgroup").write_text(f"5:devices:/\n4:memory:{group}\n1:cpu,cpuacct:/\n0::/\n")
+    memory = tmp_path / "sys" / "fs" / "cgroup" / "memory" / folder
+    memory.mkdir(parents=True)
+    (memory / "memory.limit_in_bytes").write_text(limit + "\n")
+    (memory / "memory.usage_in_bytes").write_text(f"{5 << 30}\n")
+    (memory / "memory.stat").write_text(f"inactive_file 1\ntotal_inactive_file {2 << 30}\n")
+    assert arena.host_memory_available(tmp_path) == expected
+
+
 # -- the evaluation batch ----------------------------------------------------------------
 
 @pytest.mark.parametrize("world", [1, 3])

@@ -24,9 +24,10 @@ def too_large(plan: MemoryPlan, device: torch.device, why: str = "") -> str:
 
 def host_memory_available(root: Path = Path("/")) -> int | None:
     """The bytes this process may still fill on the host: the kernel's estimate of what can be
-    had without swapping (MemAvailable), under its cgroup's limit where one is set (cgroup v2:
-    the limit less what the group uses, the page cache it can drop not counted, as kubelet
-    counts it); None where the kernel says neither (not Linux). `root`: where /proc and /sys are."""
+    had without swapping (MemAvailable), under its cgroup's limit where one is set (the limit
+    less what the group uses, the page cache it can drop not counted, as kubelet counts it;
+    cgroup v2, or v1's memory controller); None where the kernel says neither (not Linux).
+    `root`: where /proc and /sys are."""
     def read(path) -> str:
         try:
             return Path(path).read_text()
@@ -36,11 +37,19 @@ def host_memory_available(root: Path = Path("/")) -> int | None:
         return next((int(line.split()[1]) for line in text.splitlines() if line.split()[:1] == [name]), None)
     available = field(read(root / "proc/meminfo"), "MemAvailable:")
     found = [] if available is None else [available * 1024]
-    group = next((line[3:] for line in read(root / "proc/self/cgroup").splitlines() if line.startswith("0::")), "/")
-    folder = root / "sys/fs/cgroup" / group.strip().lstrip("/")
-    limit, used = read(folder / "memory.max").strip(), read(folder / "memory.current").strip()
-    if limit.isdigit() and used.isdigit():
-        found.append(max(0, int(limit) - int(used) + (field(read(folder / "memory.stat"), "inactive_file") or 0)))
+    # "0::/path" (v2) and "N:memory:/path" (v1) name the group; a container that mounts its own
+    # group at the hierarchy's root shows the host's path, which is not there
+    groups = {line.split(":", 2)[1]: line.split(":", 2)[2].strip().lstrip("/")
+              for line in read(root / "proc/self/cgroup").splitlines() if line.count(":") >= 2}
+    for mount, controller, files in (("sys/fs/cgroup", "", ("memory.max", "memory.current", "inactive_file")),
+                                     ("sys/fs/cgroup/memory", "memory",
+                                      ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))):
+        hierarchy = root / mount
+        folder = hierarchy / groups.get(controller, "")
+        folder = folder if (folder / files[0]).is_file() else hierarchy
+        limit, used = read(folder / files[0]).strip(), read(folder / files[1]).strip()
+        if limit.isdigit() and used.isdigit():  # v2's "max" (no limit) is not; v1's is a number beyond any host's
+            found.append(max(0, int(limit) - int(used) + (field(read(folder / "memory.stat"), files[2]) or 0)))
     return min(found) if found else None
 
 
