@@ -1,6 +1,7 @@
 """CIFAR-10 resident on the device: loading, augmentation written into the arena, sharding."""
 import io
 import pickle
+import shutil
 import tarfile
 from pathlib import Path
 
@@ -269,6 +270,27 @@ def test_evaluation_alone_decodes_the_test_split_only(tmp_path):
     train, val = build_sources(config(root, val_batch=N_VAL), CPU, 0, 1, None, read_train=False)
     red = pixels(epoch(val, 1, N_VAL)[0][0])[..., 0].mean((1, 2))
     assert train is None and (red / 25).round().int().tolist() == val.labels.tolist()
+    # the training split's folder names still check the labels; without it, the test split's own
+    (root / "train" / "cat").rename(root / "train" / "kitten")
+    with pytest.raises(DataError, match=r"differ in their class folders \(cat, kitten\)"):
+        build_sources(config(root), CPU, 0, 1, None, read_train=False)
+    shutil.rmtree(root / "train")
+    assert torch.equal(build_sources(config(root), CPU, 0, 1, None, read_train=False)[1].labels, val.labels)
+
+
+def test_evaluation_alone_takes_the_test_split_from_the_entry_training_kept(archive, tmp_path, caplog):
+    """Its entry was named by the test split alone: evaluation decoded the archive again
+    beside training's entry, and kept one more entry for each data.val_size."""
+    cfg = config(archive, decode_cache=str(tmp_path / "cache"))
+    trained = build_sources(cfg, CPU, 0, 1, None)[1]
+    with caplog.at_level("INFO"):
+        _, val = build_sources(cfg, CPU, 0, 1, None, read_train=False)
+    assert "decoded images from" in caplog.text and len(list((tmp_path / "cache").iterdir())) == 1
+    assert torch.equal(val.images, trained.images) and torch.equal(val.labels, trained.labels)
+    # without an entry, the test split alone is decoded, and no entry is kept of it
+    shutil.rmtree(tmp_path / "cache")
+    _, val = build_sources(cfg, CPU, 0, 1, None, read_train=False)
+    assert torch.equal(val.images, trained.images) and not (tmp_path / "cache").exists()
 
 
 @pytest.mark.skipif(not Path("/proc/self/mem").exists(), reason="needs Linux's /proc/self/mem")

@@ -16,8 +16,8 @@ import torch
 from trainer.config import DataConfig
 from trainer.data import decoded_cache
 from trainer.data.dali import decode_all
-from trainer.data.jpeg_files import (IMAGE_SUFFIXES, check_bytes, find_split, list_split, printable, read_error,
-                                     same_classes)
+from trainer.data.jpeg_files import (IMAGE_SUFFIXES, check_bytes, class_folders, find_split, list_split, printable,
+                                     read_error, same_classes)
 from trainer.data.resident import ResidentSource
 from trainer.data.source import Shard, subset
 from trainer.data.tar import Damaged, tar_files
@@ -98,13 +98,26 @@ def jpeg_list(root: Path, split: str, members: dict[str, bytes] | None):
     return names, labels, classes
 
 
-def jpeg_splits(root: Path, members: dict[str, bytes] | None, d: DataConfig) -> dict[str, tuple[list[str], np.ndarray]]:
-    """(names, labels) of each split's JPEGs, once both splits are found to have the same
-    data.num_classes class folders."""
-    (names, labels, classes), (val_names, val_labels, val_classes) = (jpeg_list(root, s, members) for s in SPLIT_DIRS)
+def train_classes(root: Path, members: dict[str, bytes] | None) -> list[str] | None:
+    """The class names of the training split, from its folders' names alone (None where it has none)."""
+    if members is None:
+        return class_folders(root / "train") if (root / "train").is_dir() else None
+    return sorted({n.split("/")[-2] for n in members
+                   if n.lower().endswith(IMAGE_SUFFIXES) and n.count("/") >= 2 and n.split("/")[-3] == "train"}) or None
+
+
+def jpeg_splits(root: Path, members: dict[str, bytes] | None, d: DataConfig,
+                splits=tuple(SPLIT_DIRS)) -> dict[str, tuple[list[str], np.ndarray]]:
+    """(names, labels) of each of `splits`' JPEGs, once the evaluation split is found to have
+    the training split's data.num_classes class folders (evaluation alone lists the training
+    split's folder names only, where it has them)."""
+    listed = {s: jpeg_list(root, s, members) for s in splits}
+    val_names, _, val_classes = listed["val"]
     val_dir = val_names[0].split("/")[-3]  # test/ or val/, whichever the data set has
-    same_classes(f"{root}'s train", classes, f"{root}'s {val_dir}", val_classes, d.num_classes)
-    return {"train": (names, labels), "val": (val_names, val_labels)}
+    classes = listed["train"][2] if "train" in listed else train_classes(root, members)
+    named = f"{root}'s {'train' if classes else val_dir}"
+    same_classes(named, classes or val_classes, f"{root}'s {val_dir}", val_classes, d.num_classes)
+    return {s: (names, labels) for s, (names, labels, _) in listed.items()}
 
 
 def _read(path: str) -> bytes:
@@ -135,7 +148,7 @@ def decode(root: Path, raw: bytes | None, d: DataConfig, sizes: dict[str, int]) 
     if batches is not None and d.num_classes != BATCH_CLASSES:
         raise DataError(f"{root} holds CIFAR-10's python batches, {BATCH_CLASSES} classes, but "
                         f"data.num_classes={d.num_classes}; set data.num_classes={BATCH_CLASSES}")
-    listed = jpeg_splits(root, members, d) if batches is None else None
+    listed = jpeg_splits(root, members, d, tuple(sizes)) if batches is None else None
     out = {}
     for split, n in sizes.items():
         asked = d.train_size if split == "train" else d.val_size
@@ -156,15 +169,17 @@ def sources(d: DataConfig, train: Shard, val: Shard, seed: int, device: torch.de
         raw = root.read_bytes() if root.is_file() else None
     except OSError as e:
         raise DataError(f"cannot read the archive {root} ({e.strerror}): check its permissions") from None
-    shards = {"train": train, "val": val} if read_train else {"val": val}  # evaluation alone decodes val only
-    sizes = {split: shard.total for split, shard in shards.items()}
+    # an entry is named by both splits' sizes, as training decodes them; evaluation alone takes the
+    # val split from it, or decodes that split alone and keeps nothing
+    sizes = {"train": train.total, "val": val.total}
     cache = decoded_cache.entry(d.decode_cache, raw, sizes, d.num_classes) if raw and d.decode_cache else None
-    shapes = {f"{s}_{kind}": (n, 32, 32, 3) if kind == "images" else (n,)
-              for s, n in sizes.items() for kind in ("images", "labels")}
+    shards = {"train": train, "val": val} if read_train else {"val": val}
+    shapes = {f"{s}_{kind}": (shard.total, 32, 32, 3) if kind == "images" else (shard.total,)
+              for s, shard in shards.items() for kind in ("images", "labels")}
     splits = decoded_cache.load(cache, shapes) if cache else None
     if splits is None:
-        splits = decode(root, raw, d, sizes)
-        if cache:
+        splits = decode(root, raw, d, {s: shard.total for s, shard in shards.items()})
+        if cache and read_train:
             decoded_cache.save(cache, splits)
     made = {s: ResidentSource(torch.from_numpy(splits[f"{s}_images"]).to(device),
                               torch.from_numpy(splits[f"{s}_labels"]).to(device), shard, d.num_classes,
