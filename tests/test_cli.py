@@ -196,3 +196,16 @@ def test_a_sweep_is_checked_with_the_interpolations_its_command_line_gives(tmp_p
     assert out.returncode == 2 and "UserWarning" not in out.stderr, out.stderr
     assert "sweep job 1 (" in out.stderr and "no job has run" in out.stderr, out.stderr
     assert not (tmp_path / "sweep" / "0").exists()
+
+
+def test_a_sweeps_params_from_its_config_are_checked_resolved_as_the_sweeper_reads_them(tmp_path):
+    """Hydra resolves hydra.sweeper.params as it makes the sweeper: read unresolved, the
+    check refused the jobs it would have run (seed '${oc.env:SEEDS}' is not an integer)."""
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "seeds.yaml").write_text("defaults: [train, _self_]\nhydra:\n  sweeper:\n    params:\n"
+                                                  "      trainer.seed: ${oc.env:SEEDS}\n")
+    out = subprocess.run([sys.executable, str(ROOT / "run.py"), "-m", "--config-dir", str(tmp_path / "conf"),
+                          "--config-name", "seeds", f"hydra.sweep.dir={tmp_path / 'sweep'}", "mode=plan"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=120, env={**os.environ, "SEEDS": "1,2"})
+    assert out.returncode == 0, out.stderr
+    assert sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir()) == ["0", "1"]

@@ -80,7 +80,7 @@ def _configured(dict_cfg: DictConfig, run_dir: Path, hydra: DictConfig, task, sa
 def _unresolved(e: OmegaConfBaseException) -> ConfigError:
     """OmegaConf's error for an interpolation that resolves to nothing ('trainer.epochs=${data.foo}'),
     in one line naming the key."""
-    return ConfigError(f"{e.full_key + ': ' if e.full_key else ''}{str(e.msg or e).splitlines()[0]}")
+    return ConfigError(f"{e.full_key + ': ' if e.full_key else ''}{(str(e.msg or e).splitlines() or [repr(e)])[0]}")
 
 
 def _take_options(cfg: TrainConfig, path: str, keys, hydra: DictConfig, task, say: bool):
@@ -238,9 +238,10 @@ def _validate_jobs(config: DictConfig, named: bool = False):
     if config.hydra.sweeper._target_ != f"{BasicSweeper.__module__}.{BasicSweeper.__name__}":
         return  # other sweepers choose their jobs as they go
     loader = GlobalHydra.instance().config_loader()
-    # unresolved, as Hydra's launcher reads them: an interpolation in one is the job's to resolve
+    # as the sweeper reads them: its params resolved (Hydra resolves them as it makes it), the
+    # command line's overrides not (an interpolation there is the job's to resolve)
     params = config.hydra.sweeper.params
-    params = [f"{key}={value}" for key, value in (OmegaConf.to_container(params) if params else {}).items()]
+    params = [f"{key}={value}" for key, value in (OmegaConf.to_container(params, resolve=True) if params else {}).items()]
     task = OmegaConf.to_container(config.hydra.overrides.task)
     overrides = OverridesParser.create(config_loader=loader).parse_overrides(params + task)
     folders = {}
