@@ -751,6 +751,27 @@ def test_the_hosts_free_memory_is_the_kernels_estimate_under_the_cgroups_limit(t
     assert arena.host_memory_available(tmp_path / "elsewhere") is None  # not Linux: nothing to go by
 
 
+@pytest.mark.parametrize("version", ["v2", "v1"])
+def test_a_limit_on_a_group_above_the_process_bounds_it_too(tmp_path, version):
+    """A scheduler's limit set on the job's group, the process in a task's group below it
+    without one of its own: only the process's own group was read."""
+    (tmp_path / "proc" / "self").mkdir(parents=True)
+    (tmp_path / "proc" / "meminfo").write_text(f"MemAvailable: {8 << 20} kB\n")
+    (tmp_path / "proc" / "self" / "cgroup").write_text("4:memory:/job/step/task_0\n" if version == "v1"
+                                                       else "0::/job/step/task_0\n")
+    files = ({"limit": "memory.limit_in_bytes", "used": "memory.usage_in_bytes", "cache": "total_inactive_file"}
+             if version == "v1" else {"limit": "memory.max", "used": "memory.current", "cache": "inactive_file"})
+    hierarchy = tmp_path / "sys" / "fs" / "cgroup" / ("memory" if version == "v1" else "")
+    unlimited = str(2**63 - 4096) if version == "v1" else "max"
+    for folder, limit, used in (("job", unlimited, 5 << 30), ("job/step", str(6 << 30), 5 << 30),
+                                ("job/step/task_0", unlimited, 4 << 30)):
+        (hierarchy / folder).mkdir(parents=True)
+        (hierarchy / folder / files["limit"]).write_text(limit + "\n")
+        (hierarchy / folder / files["used"]).write_text(f"{used}\n")
+        (hierarchy / folder / "memory.stat").write_text(f"{files['cache']} {1 << 29}\n")
+    assert arena.host_memory_available(tmp_path) == (1 << 30) + (1 << 29)
+
+
 @pytest.mark.parametrize("group, folder", [("/job/step", "job/step"), ("/host/path/of/the/container", "")])
 @pytest.mark.parametrize("limit, expected", [(str(6 << 30), 3 << 30), (str(2**63 - 4096), 8 << 30)])
 def test_a_cgroup_v1_memory_limit_bounds_the_free_memory(tmp_path, group, folder, limit, expected):

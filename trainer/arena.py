@@ -24,8 +24,9 @@ def too_large(plan: MemoryPlan, device: torch.device, why: str = "") -> str:
 
 def host_memory_available(root: Path = Path("/")) -> int | None:
     """The bytes this process may still fill on the host: the kernel's estimate of what can be
-    had without swapping (MemAvailable), under its cgroup's limit where one is set (the limit
-    less what the group uses, the page cache it can drop not counted, as kubelet counts it;
+    had without swapping (MemAvailable), under its cgroup's limits where they are set (a
+    limit less what its group uses, the page cache it can drop not counted, as kubelet
+    counts it; for the process's group and each group above it, whose limits bound it too;
     cgroup v2, or v1's memory controller); None where the kernel says neither (not Linux).
     `root`: where /proc and /sys are."""
     def read(path) -> str:
@@ -33,23 +34,30 @@ def host_memory_available(root: Path = Path("/")) -> int | None:
             return Path(path).read_text()
         except OSError:
             return ""
+
+    def number(text: str) -> int | None:  # v2's "max" (no limit) is none
+        try:
+            return int(text)
+        except ValueError:
+            return None
+
     def field(text: str, name: str) -> int | None:
-        return next((int(line.split()[1]) for line in text.splitlines() if line.split()[:1] == [name]), None)
+        return next((number(line.split()[1]) for line in text.splitlines() if line.split()[:1] == [name]), None)
     available = field(read(root / "proc/meminfo"), "MemAvailable:")
     found = [] if available is None else [available * 1024]
     # "0::/path" (v2) and "N:memory:/path" (v1) name the group; a container that mounts its own
-    # group at the hierarchy's root shows the host's path, which is not there
+    # group at the hierarchy's root shows the host's path, which is not there: the root is read
     groups = {line.split(":", 2)[1]: line.split(":", 2)[2].strip().lstrip("/")
               for line in read(root / "proc/self/cgroup").splitlines() if line.count(":") >= 2}
     for mount, controller, files in (("sys/fs/cgroup", "", ("memory.max", "memory.current", "inactive_file")),
                                      ("sys/fs/cgroup/memory", "memory",
                                       ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))):
         hierarchy = root / mount
-        folder = hierarchy / groups.get(controller, "")
-        folder = folder if (folder / files[0]).is_file() else hierarchy
-        limit, used = read(folder / files[0]).strip(), read(folder / files[1]).strip()
-        if limit.isdigit() and used.isdigit():  # v2's "max" (no limit) is not; v1's is a number beyond any host's
-            found.append(max(0, int(limit) - int(used) + (field(read(folder / "memory.stat"), files[2]) or 0)))
+        group = hierarchy / groups.get(controller, "")
+        for folder in [group, *group.parents][:len(group.relative_to(hierarchy).parts) + 1]:
+            limit, used = number(read(folder / files[0]).strip()), number(read(folder / files[1]).strip())
+            if limit is not None and used is not None:  # v1's "no limit" is a number beyond any host's
+                found.append(max(0, limit - used + (field(read(folder / "memory.stat"), files[2]) or 0)))
     return min(found) if found else None
 
 
