@@ -154,8 +154,8 @@ MODES = {"plan": run_plan, "train": run_train, "eval": run_eval, "export": run_e
 def _stops_the_run(callback):
     """Hydra turns what a callback raises into a warning and starts the job anyway, past the
     checks the callback makes (and with a folder made for a run that then fails): an error
-    in one ends the command here, with its message, or with its traceback where it is not
-    one of ours."""
+    in one ends the command here, with its message (the checks raise ConfigError), or with
+    its traceback where it is not one of ours."""
     @functools.wraps(callback)
     def stopping(*args, **kwargs):
         try:
@@ -209,9 +209,8 @@ class RunDirectory(Callback):
         sweep = Path(config.hydra.sweep.dir)
         for job in sorted(sweep.iterdir()) if sweep.is_dir() else ():
             if job.is_dir() and other_run(job, ""):
-                print(f"{sweep} holds another sweep's jobs ({job.name}/ has its checkpoints or results): give this "
-                      "sweep a folder of its own (hydra.sweep.dir=...)", file=sys.stderr)
-                raise SystemExit(2)
+                raise ConfigError(f"{sweep} holds another sweep's jobs ({job.name}/ has its checkpoints or results): "
+                                  "give this sweep a folder of its own (hydra.sweep.dir=...)")
         _validate_jobs(config, named=True)
         _make(config.hydra.sweep.dir, "hydra.sweep.dir")
         _hold(config.hydra.sweep.dir)
@@ -250,25 +249,22 @@ def _validate_jobs(config: DictConfig, named: bool = False):
             job_config = loader.load_sweep_config(config, list(job))
         except HydraException as e:  # a group's option misspelled: Hydra's message lists the options
             why = f"{e}: {e.__cause__}" if e.__cause__ else e  # a value of the wrong type: OmegaConf's reason
-            print(f"sweep job {number} ({' '.join(job)}): {why}", file=sys.stderr)
-            raise SystemExit(2)
+            raise ConfigError(f"sweep job {number} ({' '.join(job)}): {why}") from None
         with open_dict(job_config):
             job_config.hydra.job.num = job_config.hydra.job.id = number  # as Hydra's launcher sets them
             folder = Path(job_config.hydra.sweep.dir) / job_config.hydra.sweep.subdir
             del job_config["hydra"]
         if folder in folders:  # the later job would be refused there, after Hydra wrote its .hydra/ over the first's
-            print(f"sweep jobs {folders[folder]} and {number} would both run in {folder}: give each job a folder "
-                  f"of its own with hydra.sweep.subdir (its default, ${{hydra.job.num}}, does); no job has run",
-                  file=sys.stderr)
-            raise SystemExit(2)
+            raise ConfigError(f"sweep jobs {folders[folder]} and {number} would both run in {folder}: give each job a "
+                              f"folder of its own with hydra.sweep.subdir (its default, ${{hydra.job.num}}, does); no "
+                              "job has run")
         folders[folder] = number
         if named:  # a folder the sweep is given, not a new one: before Hydra writes the job's .hydra/ over a run's
             _refuse_another_runs(folder, job_config)
         try:  # with the options a job that reads a checkpoint takes from it, as it will as it starts
             _configured(job_config, folder, config.hydra, list(job), say=False)
         except TrainerError as e:
-            print(f"sweep job {number} ({' '.join(job)}): {e}; no job has run", file=sys.stderr)
-            raise SystemExit(2)
+            raise ConfigError(f"sweep job {number} ({' '.join(job)}): {e}; no job has run") from None
 
 
 def _continue_in_its_folder(config: DictConfig) -> bool:
@@ -305,7 +301,7 @@ def _new_folder(config: DictConfig, kind: str):
         except FileExistsError:
             continue
         except OSError as e:
-            _cannot_make(path, e, f"hydra.{kind}.dir")
+            raise _cannot_make(path, e, f"hydra.{kind}.dir") from None
         with open_dict(config):
             config.hydra[kind].dir = path
         return
@@ -324,9 +320,9 @@ def _hold(folder: str):
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(handle)
-        print(f"{folder} is in use by another run that has not ended (a resume of the same run, or one given the same "
-              "folder): wait for it to end, or give this run a folder of its own (hydra.run.dir=...)", file=sys.stderr)
-        raise SystemExit(2)
+        raise ConfigError(f"{folder} is in use by another run that has not ended (a resume of the same run, or one "
+                          "given the same folder): wait for it to end, or give this run a folder of its own "
+                          "(hydra.run.dir=...)") from None
     except OSError as e:  # a file system without flock on folders (NFS, Lustre without its flock option)
         os.close(handle)
         print(f"warning: {folder} cannot be locked ({e.strerror}); a second run in it at the same time would not be "
@@ -350,24 +346,21 @@ def _refuse_another_runs(folder: Path, config: DictConfig):
                                          "would write its own files over them; give it a folder of its own "
                                          "(hydra.run.dir=...)")
     if why:
-        print(why, file=sys.stderr)
-        raise SystemExit(2)
+        raise ConfigError(why)
 
 
 def _make(folder: str, key: str):
     if not str(folder).strip():  # Hydra would write the run into the current folder
-        print(f"{key} is empty: give the run a folder ({key}=...)", file=sys.stderr)
-        raise SystemExit(2)
+        raise ConfigError(f"{key} is empty: give the run a folder ({key}=...)")
     try:
         Path(folder).mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        _cannot_make(folder, e, key)
+        raise _cannot_make(folder, e, key) from None
 
 
-def _cannot_make(folder, e: OSError, key: str):
-    print(f"cannot make the run's folder {folder} ({e.strerror}); give one that can be written with "
-          f"{key}=...", file=sys.stderr)
-    raise SystemExit(2)
+def _cannot_make(folder, e: OSError, key: str) -> ConfigError:
+    return ConfigError(f"cannot make the run's folder {folder} ({e.strerror}); give one that can be written with "
+                       f"{key}=...")
 
 
 def _where_to_continue(cfg: DictConfig, run_dir: Path) -> str:
