@@ -64,6 +64,10 @@ def test_tar_files_reads_what_tarfile_reads(fmt, compress):
     assert tar_files(data) == expected
 
 
+def cifar(root: Path, **data) -> TrainConfig:
+    return TrainConfig(data=DataConfig(name="cifar10", root=str(root), **data), trainer=TrainerConfig(batch_size=4))
+
+
 def test_a_damaged_or_truncated_archive_is_refused_with_its_path(tmp_path):
     """As damaged, with the advice to copy it again: a truncated download was told that
     data.root must be a .tgz of the tree, which it was. A file that is no archive is told so."""
@@ -75,16 +79,22 @@ def test_a_damaged_or_truncated_archive_is_refused_with_its_path(tmp_path):
     cut.write_bytes(bytes(data[:3 * 512]))  # between two members: what is left reads as a shorter archive
     for path, why in ((damaged, "damaged tar header at byte 1536"), (truncated, "its gzip stream: Compressed file ended"),
                       (cut, "ends at byte 1536 without its end-of-archive blocks")):
-        cfg = TrainConfig(data=DataConfig(name="cifar10", root=str(path)), trainer=TrainerConfig(batch_size=4))
         with pytest.raises(DataError, match=f"^the archive {path} is damaged or truncated \\(.*{why}.*\\): "
                                             f"download or copy it again$"):
-            build_sources(cfg, CPU, 0, 1, None)
+            build_sources(cifar(path), CPU, 0, 1, None)
     text = tmp_path / "notes.tgz"
     text.write_bytes(b"not an archive\n" * 100)
-    cfg = TrainConfig(data=DataConfig(name="cifar10", root=str(text)), trainer=TrainerConfig(batch_size=4))
     with pytest.raises(DataError, match=f"^cannot read the archive {text} \\(.*\\): data.root must be a .tgz/.tar of "
                                         f"the CIFAR-10 JPEG tree"):
-        build_sources(cfg, CPU, 0, 1, None)
+        build_sources(cifar(text), CPU, 0, 1, None)
+
+
+def archived(tree: Path) -> Path:
+    """The tree as the .tgz beside it, under CIFAR-10's folder name."""
+    path = tree.parent / "cifar.tgz"
+    with tarfile.open(path, "w:gz") as tar:
+        tar.add(tree, arcname="cifar10")
+    return path
 
 
 def jpeg_tree(root: Path) -> dict[str, np.ndarray]:
@@ -103,13 +113,9 @@ def jpeg_tree(root: Path) -> dict[str, np.ndarray]:
 
 def test_the_jpeg_tree_reads_the_same_from_its_archive_and_its_folder(tmp_path):
     images = jpeg_tree(tmp_path / "tree")
-    with tarfile.open(tmp_path / "cifar.tgz", "w:gz") as tar:
-        tar.add(tmp_path / "tree", arcname="cifar10")
     loaded = []
-    for root in (tmp_path / "tree", tmp_path / "cifar.tgz"):
-        cfg = TrainConfig(data=DataConfig(name="cifar10", root=str(root), num_classes=3, train_size=12, val_size=6),
-                          trainer=TrainerConfig(batch_size=4))
-        train, val = build_sources(cfg, CPU, 0, 1, None)
+    for root in (tmp_path / "tree", archived(tmp_path / "tree")):
+        train, val = build_sources(cifar(root, num_classes=3, train_size=12, val_size=6), CPU, 0, 1, None)
         loaded.append([train.images, train.labels, val.images, val.labels])
     for a, b in zip(*loaded):
         assert torch.equal(a, b)
@@ -127,12 +133,9 @@ def test_a_tree_with_test_and_val_folders_reads_test_alone_from_its_archive_as_f
     for name in ("cat", "airplane", "frog"):
         (tmp_path / "tree" / "val" / name).mkdir(parents=True)
         Image.new("RGB", (32, 32), (255, 255, 255)).save(tmp_path / "tree" / "val" / name / "white.jpg")
-    with tarfile.open(tmp_path / "cifar.tgz", "w:gz") as tar:
-        tar.add(tmp_path / "tree", arcname="cifar10")
     loaded = []
-    for root in (tmp_path / "tree", tmp_path / "cifar.tgz"):
-        cfg = TrainConfig(data=DataConfig(name="cifar10", root=str(root), num_classes=3, train_size=12, val_size=9),
-                          trainer=TrainerConfig(batch_size=4))
+    for root in (tmp_path / "tree", archived(tmp_path / "tree")):
+        cfg = cifar(root, num_classes=3, train_size=12, val_size=9)
         with pytest.raises(DataError, match="holds 6 val images, fewer than the data.val_size=9 asked for"):
             build_sources(cfg, CPU, 0, 1, None)
         cfg.data.val_size = 6
@@ -143,10 +146,7 @@ def test_a_tree_with_test_and_val_folders_reads_test_alone_from_its_archive_as_f
 
 def test_an_archive_of_fewer_jpegs_than_asked_for_names_the_size_asked_for(tmp_path):
     jpeg_tree(tmp_path / "tree")
-    with tarfile.open(tmp_path / "cifar.tgz", "w:gz") as tar:
-        tar.add(tmp_path / "tree", arcname="cifar10")
-    cfg = TrainConfig(data=DataConfig(name="cifar10", root=str(tmp_path / "cifar.tgz"), num_classes=3, train_size=20),
-                      trainer=TrainerConfig(batch_size=4))
+    cfg = cifar(archived(tmp_path / "tree"), num_classes=3, train_size=20)
     with pytest.raises(DataError, match="holds 12 train images, fewer than the data.train_size=20 asked for; "
                                         "set data.train_size=12 or less$"):
         build_sources(cfg, CPU, 0, 1, None)
