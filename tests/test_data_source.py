@@ -129,8 +129,8 @@ def test_a_crop_padding_as_wide_as_the_stored_images_is_refused(padding, refused
                               DataConfig(name="cifar10", crop_padding=padding), 0, augment, None)
     source(augment=False)  # evaluation does not crop
     if refused:
-        with pytest.raises(DataError, match=rf"data.crop_padding={padding} is not smaller than the stored images "
-                                            r"\(32x32\), .* set data.crop_padding to at most 31"):
+        with pytest.raises(DataError, match=rf"data.crop_padding={padding} is not smaller than the images "
+                                            r"\(32x32\), which training crops pad by reflecting them; set data.crop_padding to at most 31"):
             source(augment=True)
     else:
         source(augment=True)

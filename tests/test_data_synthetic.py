@@ -56,7 +56,7 @@ def test_a_crop_padding_as_wide_as_the_images_is_refused():
     """data.crop_padding=1000 on 16x16 images trained on crops of the pad's color to a NaN loss,
     whose message blamed the learning rate."""
     with pytest.raises(DataError, match=r"^data.crop_padding=16 is not smaller than the images \(16x16\), which "
-                                        r"training crops pad; set data.crop_padding to at most 15$"):
+                                        r"training crops pad with the mean color; set data.crop_padding to at most 15$"):
         build_sources(config(crop_padding=16), CPU, 0, 1, None)
     build_sources(config(crop_padding=15), CPU, 0, 1, None)
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import kernels
 from kernels.reference import TABLE_COLUMNS
 from trainer.config import DataConfig
-from trainer.data.source import EpochPlan, Shard, crop_offsets, cutout_corners, flips, on
+from trainer.data.source import EpochPlan, Shard, check_crop_padding, crop_offsets, cutout_corners, flips, on
 from trainer.errors import DataError
 
 
@@ -32,10 +32,8 @@ class ResidentSource:
             raise DataError(f"data.cutout={d.cutout} is wider than the stored images ({images.shape[1]}x"
                             f"{images.shape[2]}), on which the square is drawn; set data.cutout to at most "
                             f"{min(images.shape[1:3])}")
-        if augment and d.crop_padding >= min(images.shape[1:3]):  # the crop reflects its padding once, at most a side
-            raise DataError(f"data.crop_padding={d.crop_padding} is not smaller than the stored images "
-                            f"({images.shape[1]}x{images.shape[2]}), which training crops pad by reflecting them; "
-                            f"set data.crop_padding to at most {min(images.shape[1:3]) - 1}")
+        if augment:
+            check_crop_padding(d.crop_padding, images.shape[1], images.shape[2], "by reflecting them")
         self.mean = torch.tensor(mean, device=images.device) * 255
         self.inv_std = 1 / (torch.tensor(std, device=images.device) * 255)
         self._plan: EpochPlan | None = None

@@ -12,6 +12,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from trainer.errors import DataError
+
 
 class Source(Protocol):
     size: int  # examples in this rank's shard per epoch
@@ -119,6 +121,15 @@ def crop_offsets(n: int, padding: int, seed: int, epoch: int) -> np.ndarray:
     """(n, 2) top-left corners (y, x) of random crops within the image padded by `padding`:
     an offset of `padding` is the uncropped image."""
     return rng(seed, CROP, epoch).integers(0, 2 * padding + 1, (n, 2))
+
+
+def check_crop_padding(padding: int, height: int, width: int, pad: str) -> None:
+    """A training crop's padding must be smaller than the image: a crop may then reach at most
+    a side less one past the image, which reflecting it once covers; wider, a crop reads
+    outside the image (reflection) or is all `pad` but for a corner (a constant color)."""
+    if padding >= min(height, width):
+        raise DataError(f"data.crop_padding={padding} is not smaller than the images ({height}x{width}), which "
+                        f"training crops pad {pad}; set data.crop_padding to at most {min(height, width) - 1}")
 
 
 def resized_crop_draws(n: int, attempts: int, seed: int, epoch: int) -> np.ndarray:

@@ -14,7 +14,7 @@ from trainer.arena import host_memory_available
 from trainer.config import DataConfig
 from trainer.data.dali import DaliSource
 from trainer.data.gratings import ORIENTATIONS, gratings, hues
-from trainer.data.source import Shard, crop_offsets
+from trainer.data.source import Shard, check_crop_padding, crop_offsets
 from trainer.errors import DataError
 
 NUM_CLASSES = 10
@@ -77,10 +77,7 @@ def sources(d: DataConfig, train: Shard, val: Shard, seed: int, device: torch.de
     if d.num_classes != NUM_CLASSES:
         raise DataError(f"the synthetic data set has {NUM_CLASSES} classes but data.num_classes="
                         f"{d.num_classes}; set data.num_classes={NUM_CLASSES}")
-    if d.crop_padding >= d.resolution:  # a crop all padding but for a corner: images of the mean color alone
-        raise DataError(f"data.crop_padding={d.crop_padding} is not smaller than the images ({d.resolution}x"
-                        f"{d.resolution}), which training crops pad; set data.crop_padding to at most "
-                        f"{d.resolution - 1}")
+    check_crop_padding(d.crop_padding, d.resolution, d.resolution, "with the mean color")
     size, available = (train.total + val.total) * d.resolution ** 2 * 3, host_memory_available()
     if available is not None and size > available:  # numpy would refuse with a traceback, or the kernel kill the run
         raise DataError(f"the synthetic data set of {train.total + val.total:,} images at data.resolution="
