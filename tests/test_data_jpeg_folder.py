@@ -170,6 +170,21 @@ def test_evaluation_alone_reads_the_val_split_only(tree):
         build_sources(config(tree, num_classes=2), CPU, 0, 1, None, read_train=False)
 
 
+def test_a_split_is_listed_once_while_its_folders_are_unchanged(tree, monkeypatch):
+    """The planner's count and the sources each listed every class folder (three listings of
+    ImageNet's 1.28M training files before the first step); a file added since is seen."""
+    for folder in [tree / "train", *(tree / "train").iterdir()]:  # times well apart from the change below
+        os.utime(folder, ns=(10**18, 10**18))
+    scanned = []
+    real_scandir = os.scandir
+    monkeypatch.setattr(os, "scandir", lambda path: scanned.append(Path(path)) or real_scandir(path))
+    assert dataset_sizes(config(tree).data) == (15, 6)
+    train, _ = build_sources(config(tree), CPU, 0, 1, None)
+    assert sorted(p for p in scanned if p.parent == tree / "train") == sorted((tree / "train").iterdir())
+    Image.new("RGB", (48, 40), COLORS["apple"]).save(tree / "train" / "apple" / "9.jpg")
+    assert dataset_sizes(config(tree).data) == (16, 6)
+
+
 def test_missing_directories(tree, tmp_path):
     with pytest.raises(DataError, match=f"missing data.root {tmp_path / 'nowhere'}"):
         build_sources(config(tmp_path / "nowhere"), CPU, 0, 1, None)

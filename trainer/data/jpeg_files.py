@@ -41,14 +41,30 @@ def class_folders(folder: Path) -> list[str]:
     return sorted(e.name for e in os.scandir(folder) if e.is_dir())
 
 
+_listed: dict[Path, tuple[tuple, list[str], np.ndarray]] = {}  # folder -> (its folders' times, files, labels)
+
+
 def list_split(folder: Path) -> tuple[list[str], np.ndarray, list[str]]:
     """(files, labels int32, class names): classes are the sorted folder names, so label k
-    is the k-th folder in alphabetical order (CIFAR-10's usual order)."""
+    is the k-th folder in alphabetical order (CIFAR-10's usual order).
+
+    The planner counts a split's files and its source reads them: the listing is kept and
+    given again while the split's folders keep their modification times (adding, removing
+    or renaming a file changes its folder's), since listing ImageNet's 1.28M files takes
+    seconds, more on a network file system."""
     if not folder.is_dir():
         raise DataError(f"missing directory {folder}: expected class folders {folder}/<class>/*.jpg")
     classes = class_folders(folder)
     if not classes:
         raise DataError(f"no class folders in {folder}: expected {folder}/<class>/*.jpg")
+    stamp = tuple((name, os.stat(folder / name).st_mtime_ns) for name in [".", *classes])
+    if folder not in _listed or _listed[folder][0] != stamp:
+        _listed[folder] = (stamp, *_list_files(folder, classes))
+    _, files, labels = _listed[folder]
+    return list(files), labels.copy(), classes
+
+
+def _list_files(folder: Path, classes: list[str]) -> tuple[list[str], np.ndarray]:
     files, labels = [], []
     for k, name in enumerate(classes):
         jpegs = sorted(e.name for e in os.scandir(folder / name)
@@ -61,7 +77,7 @@ def list_split(folder: Path) -> tuple[list[str], np.ndarray, list[str]]:
                             f"add its images or remove the folder")
         files += [str(folder / name / f) for f in jpegs]
         labels += [k] * len(jpegs)
-    return files, np.array(labels, np.int32), classes
+    return files, np.array(labels, np.int32)
 
 
 def same_classes(train: str, classes: list[str], val: str, val_classes: list[str], num_classes: int):
