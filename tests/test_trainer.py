@@ -685,11 +685,13 @@ def test_multirun_sweeps_two_jobs(tmp_path):
 
 
 def test_a_sweep_job_that_fails_is_named_at_the_end_and_the_jobs_after_it_run(tmp_path):
-    """A learning rate that diverges fails its job alone; the sweep's exit says which."""
-    out = run(tmp_path, "optimizer.lr=1e9,0.1", "trainer.epochs=1", *TINY, multirun=True)
+    """A learning rate that diverges fails its job alone; the sweep's exit says which, with its
+    overrides as given (the sweeper escapes an interpolation's braces)."""
+    out = run(tmp_path, "optimizer.lr=1e9,0.1", "trainer.epochs=1", "trainer.seed=${data.num_classes}", *TINY,
+              multirun=True)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stdout + out.stderr
     assert out.stderr.startswith("1 of the sweep's 2 jobs failed")
-    assert re.search(r"\njob 0 \(optimizer.lr=\S+ trainer.epochs=1 .*\): the epoch's training loss, .* training "
+    assert re.search(r"\njob 0 \(optimizer.lr=\S+ trainer.epochs=1 trainer.seed=\$\{data.num_classes\} .*\): the epoch's training loss, .* training "
                      r"diverged and stopped", out.stderr), out.stderr
     assert not (tmp_path / "0" / "summary.json").exists()
     assert json.loads((tmp_path / "1" / "summary.json").read_text())["steps"] == 16

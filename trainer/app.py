@@ -5,6 +5,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import traceback
@@ -219,7 +220,7 @@ class RunDirectory(Callback):
         self.jobs += 1
         # main returns JobFailed for a job that failed (a FAILED status's return_value raises)
         if job_return.status == JobStatus.COMPLETED and isinstance(job_return.return_value, JobFailed):
-            self.failed.append(f"job {config.hydra.job.num} ({' '.join(job_return.overrides)}): "
+            self.failed.append(f"job {config.hydra.job.num} ({_shown(job_return.overrides)}): "
                                f"{job_return.return_value}")
 
     def on_multirun_end(self, config: DictConfig, **kwargs):
@@ -249,7 +250,7 @@ def _validate_jobs(config: DictConfig, named: bool = False):
             job_config = loader.load_sweep_config(config, list(job))
         except HydraException as e:  # a group's option misspelled: Hydra's message lists the options
             why = f"{e}: {e.__cause__}" if e.__cause__ else e  # a value of the wrong type: OmegaConf's reason
-            raise ConfigError(f"sweep job {number} ({' '.join(job)}): {why}") from None
+            raise ConfigError(f"sweep job {number} ({_shown(job)}): {why}") from None
         with open_dict(job_config):
             job_config.hydra.job.num = job_config.hydra.job.id = number  # as Hydra's launcher sets them
             folder = Path(job_config.hydra.sweep.dir) / job_config.hydra.sweep.subdir
@@ -264,7 +265,13 @@ def _validate_jobs(config: DictConfig, named: bool = False):
         try:  # with the options a job that reads a checkpoint takes from it, as it will as it starts
             _configured(job_config, folder, config.hydra, list(job), say=False)
         except TrainerError as e:
-            raise ConfigError(f"sweep job {number} ({' '.join(job)}): {e}; no job has run") from None
+            raise ConfigError(f"sweep job {number} ({_shown(job)}): {e}; no job has run") from None
+
+
+def _shown(job) -> str:
+    """A sweep job's overrides as the command line gave them: the sweeper escapes the
+    grammar's special characters in each value (${trainer.seed} as $\\{trainer.seed\\})."""
+    return " ".join(re.sub(r"\\([\\()\[\]{}:=, \t])", r"\1", o) for o in job)
 
 
 def _continue_in_its_folder(config: DictConfig) -> bool:
