@@ -691,7 +691,8 @@ def test_a_sweep_job_that_fails_is_named_at_the_end_and_the_jobs_after_it_run(tm
               multirun=True)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stdout + out.stderr
     assert out.stderr.startswith("1 of the sweep's 2 jobs failed")
-    assert re.search(r"\njob 0 \(optimizer.lr=\S+ trainer.epochs=1 trainer.seed=\$\{data.num_classes\} .*\): the epoch's training loss, .* training "
+    assert re.search(r"\njob 0 \(optimizer.lr=\S+ trainer.epochs=1 trainer.seed=\$\{data.num_classes\} .*\): "
+                     r"the epoch's training loss, .* training "
                      r"diverged and stopped", out.stderr), out.stderr
     assert not (tmp_path / "0" / "summary.json").exists()
     assert json.loads((tmp_path / "1" / "summary.json").read_text())["steps"] == 16
