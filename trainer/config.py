@@ -264,7 +264,11 @@ CHECKPOINT_OPTIONS = ("amp", "amp_dtype", "ema", "fold_bn", "data.name", "data.r
 # What one command asks, not what its run is: a resumed run takes every other option from
 # its checkpoint where its command line does not give it, so that it trains on as it began.
 _INVOCATION = ("mode", "checkpoint", "trainer.resume", "trainer.stop_after_epoch", "dist.plan_ranks")
-RUN_OPTIONS = tuple(key for key in options(TrainConfig()) if key not in _INVOCATION and not key.startswith("bench."))
+# What the machine running the command has, which a run resumed on another machine takes
+# from there: its cores, its folders, its network; none changes what the run computes.
+_MACHINE = ("data.threads", "data.decode_cache", "compile_cache", "dist.timeout_s")
+RUN_OPTIONS = tuple(key for key in options(TrainConfig())
+                    if key not in _INVOCATION + _MACHINE and not key.startswith("bench."))
 
 
 def take_options(cfg: TrainConfig, written: dict[str, Any], keys, given: set[str]) -> dict[str, Any]:
