@@ -42,26 +42,49 @@ def archive(fmt: int, compress: bool) -> bytes:
         if fmt != tarfile.USTAR_FORMAT:  # ustar holds link targets of 100 bytes at most
             add("train/long-link.jpg", kind=tarfile.SYMTYPE, target=LONG[len("train/"):])
         add("train/dangling.jpg", kind=tarfile.SYMTYPE, target="train/a.jpg")  # train/train/a.jpg: none
+        add("val/frogs", kind=tarfile.SYMTYPE, target="../train/sub")  # a folder, with a link in it
+        add("val/all.jpg", kind=tarfile.SYMTYPE, target="frogs/symbolic.jpg")  # through the folder's link
     return buffer.getvalue()
+
+
+def unpacked(data: bytes, folder: Path) -> dict[str, bytes]:
+    """{path: contents} of the files an archive unpacks to, its links followed."""
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(folder, filter="tar")
+    return {os.path.relpath(os.path.join(parent, name), folder): Path(parent, name).read_bytes()
+            for parent, _, names in os.walk(folder, followlinks=True) for name in names
+            if Path(parent, name).is_file()}
 
 
 @pytest.mark.parametrize("compress", [False, True], ids=["tar", "tgz"])
 @pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT], ids=["ustar", "gnu", "pax"])
-def test_tar_files_reads_what_tarfile_reads(fmt, compress):
+def test_tar_files_reads_what_the_archive_unpacks_to(fmt, compress, tmp_path):
     """Links included: unpacked, each reads as its target (a folder with a hard link gave one
-    image more than its archive)."""
+    image more than its archive), a link to a folder as the folder's files (they were left
+    out)."""
     data = archive(fmt, compress)
-    expected = {}
-    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-        for member in tar:
-            if member.isfile() or member.issym() or member.islnk():
-                try:
-                    expected[member.name] = tar.extractfile(member).read()
-                except KeyError:  # a link to nothing in the archive
-                    pass
-    assert expected["train/sub/symbolic.jpg"] == expected["train/3.jpg"] and "train/dangling.jpg" not in expected
-    assert LONG in expected and len(expected) == (11 if fmt == tarfile.USTAR_FORMAT else 12)
+    expected = unpacked(data, tmp_path)
+    assert expected["train/sub/symbolic.jpg"] == expected["train/3.jpg"] == expected["val/frogs/symbolic.jpg"]
+    assert expected["val/all.jpg"] == expected["train/3.jpg"] and "train/dangling.jpg" not in expected
+    assert LONG in expected and len(expected) == (13 if fmt == tarfile.USTAR_FORMAT else 14)
     assert tar_files(data) == expected
+
+
+def test_links_in_a_loop_end():
+    """A link to the folder that holds it is left out, as `find -L` leaves out a loop; two
+    links to each other's folders end at a bounded depth."""
+    def links(*members):
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w") as tar:
+            tar.addfile(tarfile.TarInfo("a/b/1.jpg"))
+            for name, target in members:
+                info = tarfile.TarInfo(name)
+                info.type, info.linkname = tarfile.SYMTYPE, target
+                tar.addfile(info)
+        return tar_files(buffer.getvalue())
+    assert links(("a/b/up", "..")) == {"a/b/1.jpg": b""}
+    files = links(("a/b/c", "../d"), ("a/d/e", "../b"))
+    assert {"a/b/c/e/1.jpg", "a/d/e/1.jpg"} <= set(files) and max(n.count("/") for n in files) <= 2 + 3 + 3
 
 
 def cifar(root: Path, **data) -> TrainConfig:
