@@ -40,7 +40,7 @@ def main(overrides: list[str]):
     from trainer.data.dali import decode_all
     names = lists["train"][0]
     encoded = [np.frombuffer(members[n], np.uint8) for n in names]
-    decode_all(names, encoded, os.cpu_count()).to("cuda")
+    decode_all(names, encoded, os.cpu_count(), (32, 32), "CIFAR-10's images are 32x32").to("cuda")
     torch.cuda.synchronize()
     lap("decode 50,000 on the host, to the GPU")
     for module in ("triton", "kernels.triton_ops", "torch._dynamo", "torch._inductor.compile_fx"):

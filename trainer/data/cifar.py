@@ -16,7 +16,7 @@ import torch
 from trainer.config import DataConfig
 from trainer.data import decoded_cache
 from trainer.data.dali import decode_all
-from trainer.data.jpeg_files import (IMAGE_SUFFIXES, check_bytes, class_folders, find_split, list_split, printable,
+from trainer.data.jpeg_files import (IMAGE_SUFFIXES, check_bytes, class_folders, find_split, list_split,
                                      read_error, same_classes)
 from trainer.data.resident import ResidentSource
 from trainer.data.source import Shard, subset
@@ -134,11 +134,10 @@ def from_jpegs(root: Path, split: str, names: list[str], labels: np.ndarray, n: 
     encoded = [np.frombuffer(members[f] if members else _read(f), np.uint8) for f in names]
     shown = [f"{root}:{f}" for f in names] if members else names
     check_bytes(shown, encoded)
-    images = decode_all(shown, encoded, d.threads).numpy()
-    if images.shape[1:3] != (32, 32):  # the source and the decode cache keep CIFAR-10's size
-        raise DataError(f"{printable(shown[0])} is {images.shape[2]}x{images.shape[1]} pixels, but data=cifar10 reads "
-                        f"CIFAR-10's 32x32 images: use data=imagefolder for images of other sizes")
-    return images, labels[keep]
+    # the source and the decode cache keep CIFAR-10's size
+    images = decode_all(shown, encoded, d.threads, (32, 32),
+                        "data=cifar10 reads CIFAR-10's 32x32 images: use data=imagefolder for images of other sizes")
+    return images.numpy(), labels[keep]
 
 
 def decode(root: Path, raw: bytes | None, d: DataConfig, sizes: dict[str, int]) -> dict[str, np.ndarray]:

@@ -10,7 +10,7 @@ from nvidia.dali.pipeline import Pipeline
 from nvidia.dali.plugin.pytorch import feed_ndarray
 
 from trainer.config import DataConfig
-from trainer.data.jpeg_files import decode_error
+from trainer.data.jpeg_files import decode_error, printable
 from trainer.data.source import DALI_SEED, EpochPlan, Shard, flips, on, rng
 from trainer.errors import DataError
 
@@ -32,15 +32,18 @@ def new_pipeline(device: torch.device, threads: int, batch: int, seed: int, dept
                     prefetch_queue_depth=depth, exec_dynamic=True)
 
 
-def decode_all(names: list[str], encoded: list[np.ndarray], threads: int, batch: int = 4096) -> torch.Tensor:
-    """Decode same-sized JPEGs once into one uint8 (N, H, W, 3) tensor in host memory. The
-    host's cores, not the GPU: nvJPEG's cost per image outweighs its speed for 32x32 images
-    (CIFAR-10's 50,000 on an H200's host: 3.4 s on the GPU, 1.7 s on 16 cores)."""
+def decode_all(names: list[str], encoded: list[np.ndarray], threads: int, size: tuple[int, int], why: str,
+               batch: int = 4096) -> torch.Tensor:
+    """Decode JPEGs of one size, (height, width) `size`, once into one uint8 (N, H, W, 3)
+    tensor in host memory; the first image of another size is named, with `why` it must
+    have that one. The host's cores, not the GPU: nvJPEG's cost per image outweighs its
+    speed for 32x32 images (CIFAR-10's 50,000 on an H200's host: 3.4 s on the GPU, 1.7 s
+    on 16 cores)."""
     pipe = new_pipeline(torch.device("cpu"), threads, batch, seed=0)
     with pipe:
         jpegs = fn.external_source(name="jpegs", dtype=types.UINT8)
         pipe.set_outputs(fn.decoders.image(jpegs, device="cpu", output_type=types.RGB))
-    out = None
+    out = torch.empty((len(encoded), *size, 3), dtype=torch.uint8)
     for start in range(0, len(encoded), batch):
         chunk, chunk_names = encoded[start:start + batch], names[start:start + batch]
         pipe.feed_input("jpegs", chunk)
@@ -49,14 +52,11 @@ def decode_all(names: list[str], encoded: list[np.ndarray], threads: int, batch:
             (images,) = pipe.outputs()
         except RuntimeError as e:
             raise decode_error(chunk_names, chunk, e) from e
-        if not images.is_dense_tensor():
-            shapes = {tuple(images[i].shape()) for i in range(len(chunk))}
-            raise DataError(f"images of different sizes {sorted(shapes)} among {chunk_names[0]} and the "
-                            f"{len(chunk) - 1} after it: this data set's images must all have one size")
-        images = images.as_tensor()
-        if out is None:
-            out = torch.empty((len(encoded), *images.shape()[1:]), dtype=torch.uint8)
-        feed_ndarray(images, out[start:start + len(chunk)])
+        if not images.is_dense_tensor() or tuple(images.as_tensor().shape()[1:3]) != size:
+            first = next(i for i in range(len(chunk)) if tuple(images[i].shape()[:2]) != size)
+            height, width = images[first].shape()[:2]
+            raise DataError(f"{printable(chunk_names[first])} is {width}x{height} pixels, but {why}")
+        feed_ndarray(images.as_tensor(), out[start:start + len(chunk)])
     return out
 
 
