@@ -514,6 +514,31 @@ def test_a_rank_with_another_plan_is_refused_and_each_rank_logs_why(tmp_path):
     assert "INFO" not in (tmp_path / "run_rank1.log").read_text()
 
 
+def test_a_failed_evaluation_on_one_rank_saves_the_epoch_it_followed_on_every_rank(tmp_path):
+    """Rank 1's share of the evaluation set fails (a damaged image): rank 0 waited for it in
+    the evaluation's sums, and the epoch just trained was not saved, so a resume trained it
+    again. Now every rank saves it and stops, and rank 0 names the rank that failed."""
+    run_dir = tmp_path / "run"
+    launch(run_dir, "device=cpu", f"trainer.batch_size={BATCH}", env={"TEST_FAIL_EVALUATION_RANK": "1"}, restarts=0)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["epoch_0001.pt"]
+    assert "the evaluation failed on rank 1: run_rank1.log in the run's folder says why" in \
+        (run_dir / "run.log").read_text()
+    assert "corrupt JPEG val/cat/7.jpg: cannot be decoded" in (run_dir / "run_rank1.log").read_text()
+
+
+def _fail_evaluation():
+    """This rank's evaluation fails, as a damaged image in its share of the set fails it."""
+    from trainer.errors import DataError
+    from trainer.loop import Trainer
+    run_steps = Trainer.run_steps
+
+    def fail_on_val(self, steps, source, on_step=None):
+        if source is self.val_source:
+            raise DataError("corrupt JPEG val/cat/7.jpg: cannot be decoded")
+        return run_steps(self, steps, source, on_step)
+    Trainer.run_steps = fail_on_val
+
+
 def _die_at_training_step(k: int):
 
     """Rank 1 kills itself, once, as its k-th training step begins."""
@@ -540,6 +565,8 @@ if __name__ == "__main__":  # a trainer process of the end-to-end tests, with th
     if os.environ.get("TEST_KILL_AT_STEP") and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" \
             and os.environ.get("RANK") == "1":
         _die_at_training_step(int(os.environ["TEST_KILL_AT_STEP"]))
+    if "TEST_FAIL_EVALUATION_RANK" in os.environ and os.environ["TEST_FAIL_EVALUATION_RANK"] == os.environ.get("RANK"):
+        _fail_evaluation()
     if os.environ.get("TEST_RANK1_ARGS") and os.environ.get("RANK") == "1":
         sys.argv += os.environ["TEST_RANK1_ARGS"].split()
     sys.argv[0] = str(ROOT / "run.py")

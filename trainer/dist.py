@@ -19,7 +19,7 @@ import torch.distributed as td
 
 from trainer.arena import Arena
 from trainer.collectives import Comm, GradSync, ShardedUpdate, all_gather
-from trainer.errors import ConfigError, PlanError
+from trainer.errors import ConfigError, PlanError, TrainerError
 from trainer.regions import Region as R
 from trainer.run_dir import agent_started_at, given, override, resumed_folder
 
@@ -84,6 +84,24 @@ class Dist:
         """Sum a small tensor (metric sums) over ranks, in place."""
         if self.comm is not None:
             self.comm.sum_(x)
+
+    def raise_failures(self, error: Exception | None, what: str):
+        """After a part of the run in which one rank may fail alone (a damaged image in its
+        share of the evaluation set): every rank learns which failed, and every rank raises,
+        a failed one its own error, so that all take the same way out (a checkpoint's save,
+        which is collective) where the others would wait for it in the next collective."""
+        failed = [self.rank] if error is not None else []
+        if self.comm is not None:
+            flags = torch.zeros(self.world, dtype=torch.int32, device=self._device())
+            flags[self.rank] = error is not None
+            self.comm.sum_(flags)
+            failed = flags.nonzero().flatten().tolist()
+        if error is not None:
+            raise error
+        if failed:
+            logs = ", ".join("run.log" if r == 0 else f"run_rank{r}.log" for r in failed)
+            raise TrainerError(f"the {what} failed on rank {', '.join(map(str, failed))}: {logs} in the run's folder "
+                               "says why")
 
     def gather_per_rank(self, arena: Arena) -> dict:
         """Every rank's bytes, rank after rank, of the regions that differ between ranks: the

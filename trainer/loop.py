@@ -220,15 +220,19 @@ class Trainer:
         self.dist.average_bn(self.ops)
         if self.cfg.ema:
             self.ops.sema_switch()
+        failure = None
         try:
             if self.cfg.fold_bn:  # from the weights evaluation uses: EMA's when EMA is on
                 self.ops.fold_bn(*bn_eps(self.model))
             self.ops.reset_sums(B.VAL_SUMS)
             self.val_source.start_epoch(0, self.cfg.data.resolution)
             self.run_steps(self.val_steps(), self.val_source)
+        except Exception as e:  # on this rank alone, perhaps: every rank hears of it below
+            failure = e
         finally:  # a failed evaluation too: fit then saves the live weights, not the EMA's
             if self.cfg.ema:
                 self.ops.sema_switch()
+        self.dist.raise_failures(failure, "evaluation")
         self.dist.all_sum_(self.ops.s[B.VAL_SUMS])
         loss, top1, top5, count = self.arena.to_host_async(self.plans.main[B.VAL_SUMS]).get().tolist()
         row = {"val_loss": loss / count, "val_top1": top1 / count, "val_top5": top5 / count}
@@ -292,11 +296,8 @@ class Trainer:
     def _save_trained(self, epoch: int, result, run_start, result_at):
         """An evaluation failed (a damaged validation image): the epoch just trained is saved
         with its training row, as its checkpoint would have been, so that a resume once the
-        data is mended goes on from it instead of training it again. In one process only: in
-        a job of several, the other ranks wait in the evaluation's collectives, and a save
-        is collective too."""
-        if self.dist.world > 1:
-            return
+        data is mended goes on from it instead of training it again. In a job of several
+        ranks every rank comes here, as the one that failed has told the others."""
         self._record(result())  # a diverged epoch raises here, and is not saved
         self.save(epoch + 1)
         self._write_summary(run_start, result_at)
