@@ -11,7 +11,7 @@ try:  # Ctrl-C while the imports load (a second or more) ends as it does once th
     import hydra
 
     from trainer import app, dist
-    from trainer.config import register, unknown_override
+    from trainer.config import refused_override, register
 except KeyboardInterrupt:
     raise interrupted() from None
 
@@ -26,9 +26,9 @@ def main(cfg):
 
 if __name__ == "__main__":
     sys.argv += dist.launch_overrides(sys.argv[1:])  # under torchrun: one run directory for the job
-    unknown = unknown_override(sys.argv[1:])
-    if unknown:  # before Hydra, whose message would advise +key=value
-        print(unknown, file=sys.stderr)
+    refused = refused_override(sys.argv[1:])
+    if refused:  # in one line, before Hydra
+        print(refused, file=sys.stderr)
         raise SystemExit(2)
     try:
         main()

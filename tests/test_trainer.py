@@ -711,11 +711,14 @@ def test_a_sweep_with_a_bad_value_in_a_late_job_runs_no_job(tmp_path):
 
 @pytest.mark.parametrize("args, said", [
     (["-m", "hydra.sweep.dir=sweep", "optimizer=sgd,adamm"],
-     "sweep job 1 (optimizer=adamm): In 'train': Could not find 'optimizer/adamm'\n\nAvailable options in 'optimizer':"),
+     "optimizer=sgd,adamm: conf/optimizer/ has no adamm.yaml; choose one of adam, adamw, lars, momentum, muon, nesterov, "
+     "sgd (did you mean optimizer=adam?)\n"),
+    (["-m", "hydra.sweep.dir=sweep", "+trainer.epochs=1,2"],
+     "sweep job 0 (+trainer.epochs=1): Could not append to config. An item is already at 'trainer.epochs'."),
     (["hydra.run.dir=run", "trainer.resume=none"], "no checkpoint at TMP/none: give a checkpoint file, or a run directory"),
     (["hydra.run.dir=run", "mode=eval", "checkpoint=none"], "no checkpoint at TMP/none: give a checkpoint file"),
     (["hydra.run.dir="], "hydra.run.dir is empty: give the run a folder (hydra.run.dir=...)"),
-], ids=["a sweep's misspelled option", "resume", "eval", "empty run folder"])
+], ids=["a sweep's misspelled option", "a sweep's job Hydra refuses", "resume", "eval", "empty run folder"])
 def test_a_command_that_cannot_start_says_why_and_leaves_no_folder(tmp_path, args, said):
     """Before Hydra makes the run's folder (an empty run folder is the current one) or writes
     a sweep's multirun.yaml, and without a warning from Hydra's callback machinery."""

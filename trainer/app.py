@@ -248,7 +248,7 @@ def _validate_jobs(config: DictConfig, named: bool = False):
     for number, job in enumerate(BasicSweeper.split_arguments(overrides, None)[0]):
         try:
             job_config = loader.load_sweep_config(config, list(job))
-        except HydraException as e:  # a group's option misspelled: Hydra's message lists the options
+        except HydraException as e:  # what composing refuses beyond refused_override's checks (+key of a key there)
             why = f"{e}: {e.__cause__}" if e.__cause__ else e  # a value of the wrong type: OmegaConf's reason
             raise ConfigError(f"sweep job {number} ({_shown(job)}): {why}") from None
         with open_dict(job_config):

@@ -16,6 +16,7 @@ from hydra.core.default_element import GroupDefault
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import II, MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from trainer.errors import ConfigError
 from trainer.plan import OPTIMIZERS, PlanConfig
@@ -200,7 +201,7 @@ def compose_config(overrides) -> TrainConfig:
     """The validated config that run.py builds from these overrides, for code that makes a
     Trainer itself (benchmarks, tests)."""
     register()
-    with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+    with initialize_config_dir(str(CONF), version_base="1.3"):
         return validate(OmegaConf.to_object(compose("train", overrides=list(overrides))))
 
 
@@ -468,20 +469,51 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
+CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = ("model", "optimizer", "schedule", "data", "experiment")  # conf/'s folders
 
 
-def unknown_override(overrides: list[str]) -> str | None:
-    """What to say of the first command-line override key=value whose key the configuration
-    does not have, or None. Hydra's own message advises +key=value, which the schema then
-    refuses as well."""
-    known = set(options(TrainConfig())) | set(GROUPS)
-    for override in overrides:
-        key = override.partition("=")[0]
+def refused_override(overrides: list[str]) -> str | None:
+    """What to say of the first command-line override that Hydra would refuse: a key the
+    configuration does not have (Hydra's message advises +key=value, which the schema then
+    refuses as well), a group option that conf/ does not have, or a value of the wrong type
+    for its key (Hydra's messages take five to fifteen lines for these); None where there is
+    none. Overrides Hydra cannot parse are left to Hydra's message."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    parser, known, schema = OverridesParser.create(), set(options(TrainConfig())), None
+    for text in overrides:
+        try:
+            (override,) = parser.parse_overrides([text])
+        except HydraException:  # not an override ("-m", a flag's value), or one Hydra will name
+            continue
+        key = override.key_or_group
+        if override.package is not None or override.is_delete() or override.is_hydra_override() \
+                or key.startswith("compile_options."):
+            continue
+        try:
+            values = list(override.sweep_iterator()) if override.is_sweep_override() else [override.value()]
+        except HydraException:  # an interval, or a glob over a group's options: Hydra's sweeper reads them
+            continue
+        if key in GROUPS:
+            have = sorted(path.stem for path in (CONF / key).glob("*.yaml"))
+            for value in values:
+                if isinstance(value, str) and value not in have:
+                    near = difflib.get_close_matches(value, have, n=1, cutoff=0.6)
+                    return (f"{text}: conf/{key}/ has no {value}.yaml; choose one of {', '.join(have)}"
+                            + (f" (did you mean {override.get_key_element()}={near[0]}?)" if near else ""))
+            continue
         option = re.sub(r"(\.\d+)+$", "", key)  # schedule.milestones.1=50 sets one item of a list
-        if ("=" in override and key.replace(".", "").replace("_", "").isalnum() and option not in known
-                and not key.startswith(("hydra.", "compile_options."))):
-            return no_such_key(key)
+        if option not in known:
+            return no_such_key(override.get_key_element())
+        if option != key:  # an item of a list the schema leaves empty (a group's file fills it)
+            continue
+        schema = schema or OmegaConf.structured(TrainConfig)
+        for value in values:
+            try:  # as Hydra merges it into the composed configuration, whose types are the schema's
+                OmegaConf.update(schema, key, value, merge=True)
+            except (OmegaConfBaseException, ValueError) as e:
+                return f"{text}: {(str(getattr(e, 'msg', e)).splitlines() or [repr(e)])[0]}"
     return None
 
 
