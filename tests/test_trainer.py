@@ -204,6 +204,28 @@ runpy.run_path(sys.argv[0], run_name="__main__")
     assert not (tmp_path / "run").exists()
 
 
+def test_a_signal_that_breaks_into_an_extensions_import_ends_the_run_as_that_signal(tmp_path):
+    """SIGTERM as matplotlib's C extension loaded (the summary's plot, after the checkpoint)
+    became that module's ImportError, caused by the signal's exception: the run ended with
+    a traceback and exit 1, not where to continue from and 143."""
+    terminated_as_the_plot_imports = f"""
+import runpy, sys
+from trainer import app, loop
+def plot_curves(run_dir, history):
+    try:
+        raise app.Terminated
+    except app.Terminated as e:
+        raise ImportError("initialization failed") from e
+loop.plot_curves = plot_curves
+sys.argv = {command(tmp_path / "run", *TINY, "trainer.epochs=1")[1:]!r}
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+    out = subprocess.run([sys.executable, "-c", terminated_as_the_plot_imports], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=120)
+    assert out.returncode == 143 and "Traceback" not in out.stderr, out.stderr
+    assert re.search(r"terminated; continue from epoch_0001\.pt with", out.stdout + out.stderr), out.stdout + out.stderr
+
+
 def test_a_checkpoint_that_cannot_be_written_stops_the_run_and_keeps_the_earlier_ones(tmp_path, monkeypatch):
     """A failed write (a full disk): the half-written file goes, the message names the
     checkpoint and how to continue, and the earlier checkpoint still resumes."""

@@ -395,6 +395,24 @@ class Terminated(BaseException):
     Ctrl-C raises KeyboardInterrupt, so that the run says where to continue from."""
 
 
+def _raised_by_a_signal(e: BaseException) -> BaseException | None:
+    """The KeyboardInterrupt or Terminated behind an error, if any: a signal that arrives while
+    a C extension loads (matplotlib's, imported as the summary is plotted) becomes its
+    ImportError, caused by the interruption."""
+    while e is not None and not isinstance(e, (KeyboardInterrupt, Terminated)):
+        e = e.__cause__ or e.__context__
+    return e
+
+
+def _stopped(e: BaseException, dict_cfg: DictConfig, run_dir: Path) -> SystemExit:
+    """Ctrl-C or SIGTERM: logs one line saying where to continue from, and gives the exit
+    with the shell's status. A checkpoint is written whole or not at all: those there are
+    intact."""
+    log.error("%s%s", "interrupted" if isinstance(e, KeyboardInterrupt) else "terminated", _where_to_continue(
+        dict_cfg, run_dir) if dict_cfg.mode == "train" else "")
+    return SystemExit(130 if isinstance(e, KeyboardInterrupt) else 143)  # as a shell reports SIGINT, SIGTERM
+
+
 def _interrupt(signum, frame):
     """Ctrl-C, or SIGTERM where it is taken: the run unwinds and says where to continue from.
     The same signal again, while it winds down (a data set still loading, DALI's exit), ends
@@ -423,11 +441,11 @@ def main(dict_cfg: DictConfig):
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             return JobFailed(e)  # the sweep goes on to its next job
         raise SystemExit(2)
-    except (KeyboardInterrupt, Terminated) as e:  # a checkpoint is written whole or not at all: those there are intact
-        log.error("%s%s", "interrupted" if isinstance(e, KeyboardInterrupt) else "terminated", _where_to_continue(
-            dict_cfg, run_dir) if dict_cfg.mode == "train" else "")
-        raise SystemExit(130 if isinstance(e, KeyboardInterrupt) else 143)  # as a shell reports SIGINT, SIGTERM
+    except (KeyboardInterrupt, Terminated) as e:
+        raise _stopped(e, dict_cfg, run_dir) from None
     except Exception as e:
+        if (signal_error := _raised_by_a_signal(e)) is not None:
+            raise _stopped(signal_error, dict_cfg, run_dir) from None
         log.exception("the run failed")  # into this rank's log file too, not only onto stderr
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             return JobFailed(f"{type(e).__name__}: {e}")  # the sweep goes on to its next job
