@@ -16,6 +16,7 @@ BLOCK = 512
 GZIP_MAGIC = b"\x1f\x8b"
 FILE_TYPES = (b"0", b"\0", b"7")  # regular, old-style regular, contiguous
 HARD_LINK, SYMLINK = b"1", b"2"
+MAX_HOPS = 40  # links followed for one path before it counts as a loop, as Linux's limit
 
 
 class Damaged(ValueError):
@@ -48,27 +49,62 @@ def _pax_value(records: bytes, wanted: bytes) -> str | None:
     return None
 
 
-def _resolve(files: dict[str, bytes], links: list[tuple[str, str]]) -> None:
-    """Add what each link (its path, the member path it points to) reads as once unpacked: a
-    link to a file, that file's contents; a link to a folder, that folder's files under the
-    link's path. A link reached through others resolves in as many rounds as the chain is
-    long. A link to a folder that holds it is a loop, left out as `find -L` leaves it; a
-    loop of several links ends at a depth that no chain without a loop reaches."""
-    depth = max((name.count("/") for name in files), default=0) + sum(name.count("/") + 1 for name, _ in links)
-    while True:
-        by_path = {posixpath.normpath(name): name for name in files}
-        added = {}
-        for name, target in links:
-            if target in by_path:
-                added[name] = files[by_path[target]]
-            elif not posixpath.normpath(name).startswith(target + "/"):
-                for path, member in by_path.items():  # a folder: the files under it
-                    if path.startswith(target + "/") and (name + path[len(target):]).count("/") <= depth:
-                        added[name + path[len(target):]] = files[member]
-        added = {name: data for name, data in added.items() if name not in files}
-        if not added:
-            return
-        files.update(added)
+def _clean(name: str) -> str:
+    """A member's path as unpacking makes it: no "./", no doubled or leading "/"."""
+    return posixpath.normpath(name).lstrip("/")
+
+
+def _with_links(files: dict[str, bytes], links: dict[str, tuple[str, bool]]) -> dict[str, bytes]:
+    """`files` and what the archive's links read as once it is unpacked, each at a path
+    that `find -L` lists there: a link to a file, that file's contents; a link to a folder,
+    that folder's files under the link's path. A link reached through others is followed
+    (at most MAX_HOPS of them for one path); a folder already above in the walk is a loop,
+    left out as `find -L` leaves it; a link to anything else dangles and is left out.
+    links: a link's path -> (its target, whether it is a hard link, named from the root)."""
+    member = {_clean(name): name for name in files}
+    entries: dict[str, set[str]] = {}  # a folder's path ("" the root) -> the names in it
+    for path in [*member, *links]:
+        parts = path.split("/")
+        for i in range(len(parts)):
+            entries.setdefault("/".join(parts[:i]), set()).add(parts[i])
+
+    def real(path: str) -> str | None:
+        """The path, every link along it followed as the file system follows it."""
+        done, todo, hops = "", path.split("/"), 0
+        while todo:
+            part = todo.pop(0)
+            if part in ("", "."):
+                continue
+            if part == "..":
+                if not done:
+                    return None  # out of the archive
+                done = posixpath.dirname(done)
+                continue
+            here = f"{done}/{part}" if done else part
+            if here not in links:
+                done = here
+                continue
+            hops += 1
+            target, hard = links[here]
+            if hops > MAX_HOPS or target.startswith("/"):
+                return None  # a loop of links, or a path outside the archive
+            todo, done = target.split("/") + todo, "" if hard else done
+        return done
+
+    out = dict(files)
+
+    def walk(logical: str, folder: str, above: set[str], linked: bool):
+        for name in sorted(entries.get(folder, ())):
+            path, shown = f"{folder}/{name}" if folder else name, f"{logical}/{name}" if logical else name
+            through = linked or path in links
+            target = real(path) if path in links else path
+            if target in member:
+                if through:
+                    out[shown] = files[member[target]]
+            elif target in entries and target not in above:
+                walk(shown, target, above | {target}, through)
+    walk("", "", {""}, False)
+    return out
 
 
 def tar_files(archive: bytes) -> dict[str, bytes]:
@@ -78,7 +114,8 @@ def tar_files(archive: bytes) -> dict[str, bytes]:
         data = gzip.decompress(archive) if archive[:2] == GZIP_MAGIC else archive
     except (EOFError, OSError, zlib.error) as e:  # cut short, a failed CRC, damaged deflate data
         raise Damaged(f"its gzip stream: {e}") from None
-    files, links, pos, next_name, next_link = {}, [], 0, None, None
+    # a later member of a name replaces an earlier one, as unpacking writes over it
+    files, cleaned, links, pos, next_name, next_link = {}, {}, {}, 0, None, None
     while True:
         header = data[pos:pos + BLOCK]
         error = Damaged if pos else ValueError  # past the first header, it is a tar archive
@@ -104,15 +141,13 @@ def tar_files(archive: bytes) -> dict[str, bytes]:
             name = _text(header[:100].split(b"\0", 1)[0])
             prefix = header[345:500].split(b"\0", 1)[0] if header[257:262] == b"ustar" else b""
             name = next_name or (_text(prefix) + "/" + name if prefix else name)
+            files.pop(cleaned.pop(_clean(name), None), None)
+            links.pop(_clean(name), None)
             if kind in FILE_TYPES:
-                files[name] = body
-            else:  # a hard link names a member; a symbolic one a path from its own folder
-                target = next_link or _text(header[157:257].split(b"\0", 1)[0])
-                folder = posixpath.dirname(name) if kind == SYMLINK else ""
-                links.append((name, posixpath.normpath(posixpath.join(folder, target))))
+                files[name], cleaned[_clean(name)] = body, name
+            else:  # a hard link names a member from the root; a symbolic one a path from its own folder
+                links[_clean(name)] = (next_link or _text(header[157:257].split(b"\0", 1)[0]), kind == HARD_LINK)
             next_name = next_link = None
         else:  # directories, devices, global pax headers: nothing to read
             next_name = next_link = None
-    if links:
-        _resolve(files, links)
-    return files
+    return _with_links(files, links) if links else files
