@@ -301,9 +301,19 @@ def test_no_group_file_sets_what_its_choice_does_not_read(group):
 @pytest.mark.parametrize("override", ["schedule.milestones.1=50", "model.widths.0=16", "+experiment=cifar10_speed",
                                       "~ema", "++trainer.epochs=3", "model@other=resnet50", "hydra/launcher=basic",
                                       "--config-name=train", "-m", "compile_options.mode=max-autotune", "data=cifar10",
-                                      "bench.baselines=[eager_bf16]", "hydra.run.dir=x", "trainer.epochs=3"])
+                                      "bench.baselines=[eager_bf16]", "hydra.run.dir=x", "trainer.epochs=3",
+                                      "model=resnet50.yaml"])
 def test_overrides_of_keys_the_configuration_has_pass_to_hydra(override):
     """The check of unknown keys before Hydra leaves every form of override Hydra takes for a
     key the configuration has: an item of a list, a group choice, an addition or deletion."""
     from trainer.config import refused_override
     assert refused_override([override]) is None
+
+
+@pytest.mark.parametrize("folder", [["--config-dir", "/mine"], ["-cd", "/mine"], ["hydra.searchpath=[file:///mine]"]])
+def test_a_group_option_from_another_folder_of_configs_is_left_to_hydra(folder):
+    """Hydra finds group options in a folder the command line adds: they are not refused
+    for being absent from conf/."""
+    from trainer.config import refused_override
+    assert refused_override([*folder, "model=mine"]) is None
+    assert refused_override(["model=mine"]).startswith("model=mine: conf/model/ has no mine.yaml")

@@ -226,6 +226,28 @@ runpy.run_path(sys.argv[0], run_name="__main__")
     assert re.search(r"terminated; continue from epoch_0001\.pt with", out.stdout + out.stderr), out.stdout + out.stderr
 
 
+def test_only_an_error_a_signal_caused_ends_the_run_as_that_signal():
+    """The chain of causes is followed, not the context of an error raised while handling
+    one (a failure of its own), and a chain that loops ends."""
+    from trainer.app import Terminated, _raised_by_a_signal
+    looped, other = ValueError("a"), ValueError("b")
+    looped.__cause__, other.__cause__ = other, looped
+    assert _raised_by_a_signal(looped) is None
+    try:
+        try:
+            raise Terminated
+        except Terminated:
+            raise OSError("the disk failed while the run wound down")
+    except OSError as e:
+        assert e.__context__ is not None and _raised_by_a_signal(e) is None
+
+
+def test_a_sweep_job_is_shown_with_its_string_values_unescaped_and_its_lists_as_given():
+    from trainer.app import _shown
+    assert _shown(["trainer.epochs=$\\{trainer.seed\\}", "bench.baselines=[a\\,b,c]", "~ema", "optimizer=sgd"]) == \
+        "trainer.epochs=${trainer.seed} bench.baselines=[a\\,b,c] ~ema optimizer=sgd"
+
+
 def test_a_checkpoint_that_cannot_be_written_stops_the_run_and_keeps_the_earlier_ones(tmp_path, monkeypatch):
     """A failed write (a full disk): the half-written file goes, the message names the
     checkpoint and how to continue, and the earlier checkpoint still resumes."""

@@ -5,7 +5,6 @@ import itertools
 import json
 import logging
 import os
-import re
 import signal
 import sys
 import traceback
@@ -269,9 +268,18 @@ def _validate_jobs(config: DictConfig, named: bool = False):
 
 
 def _shown(job) -> str:
-    """A sweep job's overrides as the command line gave them: the sweeper escapes the
-    grammar's special characters in each value (${trainer.seed} as $\\{trainer.seed\\})."""
-    return " ".join(re.sub(r"\\([\\()\[\]{}:=, \t])", r"\1", o) for o in job)
+    """A sweep job's overrides with each value that is a string as it reads: the sweeper
+    escapes the grammar's special characters in them (${trainer.seed} as $\\{trainer.seed\\});
+    a list or a dictionary keeps its escapes, which part its items."""
+    parser = OverridesParser.create()
+
+    def shown(text: str) -> str:
+        try:
+            (o,) = parser.parse_overrides([text])
+        except HydraException:
+            return text
+        return f"{o.get_key_element()}={o.value()}" if isinstance(o.value(), str) else text
+    return " ".join(shown(text) for text in job)
 
 
 def _continue_in_its_folder(config: DictConfig) -> bool:
@@ -396,12 +404,17 @@ class Terminated(BaseException):
 
 
 def _raised_by_a_signal(e: BaseException) -> BaseException | None:
-    """The KeyboardInterrupt or Terminated behind an error, if any: a signal that arrives while
-    a C extension loads (matplotlib's, imported as the summary is plotted) becomes its
-    ImportError, caused by the interruption."""
-    while e is not None and not isinstance(e, (KeyboardInterrupt, Terminated)):
-        e = e.__cause__ or e.__context__
-    return e
+    """The KeyboardInterrupt or Terminated that caused an error, if any: a signal that
+    arrives while a C extension loads (matplotlib's, imported as the summary is plotted)
+    becomes its ImportError, caused by the interruption. An error raised while handling one
+    (its context, not its cause) is an error of its own."""
+    seen = set()
+    while e is not None and id(e) not in seen:  # a chain of causes may loop
+        if isinstance(e, (KeyboardInterrupt, Terminated)):
+            return e
+        seen.add(id(e))
+        e = e.__cause__
+    return None
 
 
 def _stopped(e: BaseException, dict_cfg: DictConfig, run_dir: Path) -> SystemExit:

@@ -476,12 +476,16 @@ GROUPS = ("model", "optimizer", "schedule", "data", "experiment")  # conf/'s fol
 def refused_override(overrides: list[str]) -> str | None:
     """What to say of the first command-line override that Hydra would refuse: a key the
     configuration does not have (Hydra's message advises +key=value, which the schema then
-    refuses as well), a group option that conf/ does not have, or a value of the wrong type
+    refuses as well), a group option that conf/ does not have (where the command line names
+    no other folder of configs), or a value of the wrong type
     for its key (Hydra's messages take five to fifteen lines for these); None where there is
     none. Overrides Hydra cannot parse are left to Hydra's message."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
     parser, known, schema = OverridesParser.create(), set(options(TrainConfig())), None
+    # group options may also come from another folder of configs, which Hydra searches
+    elsewhere = any(text.lstrip("+").startswith(("--config-dir", "-cd", "--config-path", "-cp", "hydra.searchpath"))
+                    for text in overrides)
     for text in overrides:
         try:
             (override,) = parser.parse_overrides([text])
@@ -496,9 +500,11 @@ def refused_override(overrides: list[str]) -> str | None:
         except HydraException:  # an interval, or a glob over a group's options: Hydra's sweeper reads them
             continue
         if key in GROUPS:
+            if elsewhere:
+                continue
             have = sorted(path.stem for path in (CONF / key).glob("*.yaml"))
             for value in values:
-                if isinstance(value, str) and value not in have:
+                if isinstance(value, str) and value.removesuffix(".yaml") not in have:
                     near = difflib.get_close_matches(value, have, n=1, cutoff=0.6)
                     return (f"{text}: conf/{key}/ has no {value}.yaml; choose one of {', '.join(have)}"
                             + (f" (did you mean {override.get_key_element()}={near[0]}?)" if near else ""))
