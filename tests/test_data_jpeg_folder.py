@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ from PIL import Image
 from tests.helpers import serve
 from trainer.config import DataConfig, TrainConfig, TrainerConfig
 from trainer.data import build_sources, dataset_sizes
+from trainer.data.jpeg_files import forget_listings
 from trainer.data.jpeg_folder import ASPECT_RATIOS, CROP_ATTEMPTS, IMAGENET_MEAN, IMAGENET_STD
 from trainer.data.make_jpeg_tree import main as make_jpeg_tree
 from trainer.errors import DataError
@@ -172,17 +174,23 @@ def test_evaluation_alone_reads_the_val_split_only(tree):
 
 def test_a_split_is_listed_once_while_its_folders_are_unchanged(tree, monkeypatch):
     """The planner's count and the sources each listed every class folder (three listings of
-    ImageNet's 1.28M training files before the first step); a file added since is seen."""
+    ImageNet's 1.28M training files before the first step, two of them at once); a file
+    added since is seen, and a new run lists the folders again."""
     for folder in [tree / "train", *(tree / "train").iterdir()]:  # times well apart from the change below
         os.utime(folder, ns=(10**18, 10**18))
     scanned = []
     real_scandir = os.scandir
     monkeypatch.setattr(os, "scandir", lambda path: scanned.append(Path(path)) or real_scandir(path))
-    assert dataset_sizes(config(tree).data) == (15, 6)
-    train, _ = build_sources(config(tree), CPU, 0, 1, None)
+    with ThreadPoolExecutor(2) as pool:  # the planner's count, beside the data's thread, as a run makes them
+        counted = pool.submit(dataset_sizes, config(tree).data)
+        build_sources(config(tree), CPU, 0, 1, None)
+        assert counted.result() == (15, 6)
     assert sorted(p for p in scanned if p.parent == tree / "train") == sorted((tree / "train").iterdir())
     Image.new("RGB", (48, 40), COLORS["apple"]).save(tree / "train" / "apple" / "9.jpg")
     assert dataset_sizes(config(tree).data) == (16, 6)
+    forget_listings()  # a new run: listed again whatever the times say
+    dataset_sizes(config(tree).data)
+    assert sum(p == tree / "train" / "apple" for p in scanned) == 3
 
 
 def test_missing_directories(tree, tmp_path):

@@ -22,6 +22,7 @@ from trainer import checkpoint
 from trainer.arena import HALF
 from trainer.config import ScheduleConfig, TrainConfig, ignored, options, unreached
 from trainer.data import build_sources, dataset_sizes, source_module
+from trainer.data.jpeg_files import forget_listings
 from trainer.dist import Dist, device_for
 from trainer.errors import ConfigError, DivergedError
 from trainer.feeder import BUFFERS, DoubleBuffer
@@ -57,6 +58,7 @@ class Trainer:
         # module, DALI, the input kernel's module): two threads importing one module at once
         # may see it half initialized.
         source_module(cfg.data)
+        forget_listings()
         kernels.load("auto", self.device)
         with ThreadPoolExecutor(1) as pool:
             data = pool.submit(self._load_data, cfg, not evaluate_only)

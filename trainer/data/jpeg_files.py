@@ -2,6 +2,7 @@
 bad file into a message naming it before training starts."""
 import io
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -42,6 +43,13 @@ def class_folders(folder: Path) -> list[str]:
 
 
 _listed: dict[Path, tuple[tuple, list[str], np.ndarray]] = {}  # folder -> (its folders' times, files, labels)
+_listing = threading.Lock()  # the planner and the data's thread list a split at once: one waits for the other
+
+
+def forget_listings():
+    """A new run lists its splits again, whatever their folders' times say (a copy that
+    keeps them, rsync -a, may have changed a folder since the last run of this process)."""
+    _listed.clear()
 
 
 def list_split(folder: Path) -> tuple[list[str], np.ndarray, list[str]]:
@@ -49,18 +57,19 @@ def list_split(folder: Path) -> tuple[list[str], np.ndarray, list[str]]:
     is the k-th folder in alphabetical order (CIFAR-10's usual order).
 
     The planner counts a split's files and its source reads them: the listing is kept and
-    given again while the split's folders keep their modification times (adding, removing
-    or renaming a file changes its folder's), since listing ImageNet's 1.28M files takes
-    seconds, more on a network file system."""
+    given again, within a run, while the split's folders keep their modification times
+    (adding, removing or renaming a file changes its folder's), since listing ImageNet's
+    1.28M files takes seconds, more on a network file system."""
     if not folder.is_dir():
         raise DataError(f"missing directory {folder}: expected class folders {folder}/<class>/*.jpg")
     classes = class_folders(folder)
     if not classes:
         raise DataError(f"no class folders in {folder}: expected {folder}/<class>/*.jpg")
     stamp = tuple((name, os.stat(folder / name).st_mtime_ns) for name in [".", *classes])
-    if folder not in _listed or _listed[folder][0] != stamp:
-        _listed[folder] = (stamp, *_list_files(folder, classes))
-    _, files, labels = _listed[folder]
+    with _listing:
+        if folder not in _listed or _listed[folder][0] != stamp:
+            _listed[folder] = (stamp, *_list_files(folder, classes))
+        _, files, labels = _listed[folder]
     return list(files), labels.copy(), classes
 
 
