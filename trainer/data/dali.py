@@ -52,14 +52,12 @@ def decode_all(names: list[str], encoded: list[np.ndarray], threads: int, size: 
             (images,) = pipe.outputs()
         except RuntimeError as e:
             raise decode_error(chunk_names, chunk, e) from e
-        if images.is_dense_tensor() and tuple(images.as_tensor().shape()[1:3]) == size:
-            feed_ndarray(images.as_tensor(), out[start:start + len(chunk)])
-            continue
-        for i in range(len(chunk)):  # sizes differ, or DALI holds the images apart
-            if tuple(images[i].shape()[:2]) != size:
-                height, width = images[i].shape()[:2]
-                raise DataError(f"{printable(chunk_names[i])} is {width}x{height} pixels, but {why}")
-            out[start + i] = torch.from_numpy(np.array(images[i]))
+        # a batch that is not dense holds images of different shapes, so one is not `size`
+        if not images.is_dense_tensor() or tuple(images.as_tensor().shape()[1:3]) != size:
+            first = next(i for i in range(len(chunk)) if tuple(images[i].shape()[:2]) != size)
+            height, width = images[first].shape()[:2]
+            raise DataError(f"{printable(chunk_names[first])} is {width}x{height} pixels, but {why}")
+        feed_ndarray(images.as_tensor(), out[start:start + len(chunk)])
     return out
 
 
