@@ -57,7 +57,9 @@ def test_a_run_whose_data_set_moved_resumes_and_evaluates_given_data_root_alone(
     assert evaluated.returncode == 0, evaluated.stderr
     summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
     trained = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert (summary["val_top1"], summary["val_loss"]) == pytest.approx((trained["val_top1"], trained["val_loss"]))
+    # on a GPU another process may take other cuDNN algorithms, which round otherwise
+    assert summary["val_top1"] == trained["val_top1"]
+    assert summary["val_loss"] == pytest.approx(trained["val_loss"], rel=1e-4)
     # the file it read, not its run's folder, where a resumed run writes newer ones
     assert summary["checkpoint"] == str(tmp_path / "run" / "checkpoints" / "epoch_0002.pt")
     assert f"evaluating {summary['checkpoint']}" in evaluated.stdout + evaluated.stderr
