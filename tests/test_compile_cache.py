@@ -12,7 +12,7 @@ from trainer.dist import Dist
 from trainer.errors import ConfigError
 
 TINY = ["data.train_size=512", "data.val_size=128", "trainer.batch_size=32", "trainer.epochs=1", "compile=true",
-        "fold_bn=true", "model=cifar_resnet20_narrow", "deterministic=true"]
+        "fold_bn=true", "model=cifar_resnet20_narrow", "model.depth=8", "deterministic=true"]
 
 
 def _run_on_a_new_machine(tmp_path, monkeypatch, name: str, overrides: list[str], machine: str | None = None):
