@@ -477,9 +477,9 @@ def refused_override(overrides: list[str]) -> str | None:
     """What to say of the first command-line override that Hydra would refuse: a key the
     configuration does not have (Hydra's message advises +key=value, which the schema then
     refuses as well), a group option that conf/ does not have (where the command line names
-    no other folder of configs), or a value of the wrong type
-    for its key (Hydra's messages take five to fifteen lines for these); None where there is
-    none. Overrides Hydra cannot parse are left to Hydra's message."""
+    no other folder of configs), or a value of the wrong type for its key (Hydra's messages
+    take five to fifteen lines for these); None where there is none. Overrides Hydra cannot
+    parse are left to Hydra's message."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
     parser, known, schema = OverridesParser.create(), set(options(TrainConfig())), None
@@ -504,9 +504,10 @@ def refused_override(overrides: list[str]) -> str | None:
                 continue
             have = sorted(path.stem for path in (CONF / key).glob("*.yaml"))
             for value in values:
-                if isinstance(value, str) and value.removesuffix(".yaml") not in have:
-                    near = difflib.get_close_matches(value, have, n=1, cutoff=0.6)
-                    return (f"{text}: conf/{key}/ has no {value}.yaml; choose one of {', '.join(have)}"
+                name = value.removesuffix(".yaml") if isinstance(value, str) else None  # Hydra takes either
+                if name is not None and name not in have:
+                    near = difflib.get_close_matches(name, have, n=1, cutoff=0.6)
+                    return (f"{text}: conf/{key}/ has no {name}.yaml; choose one of {', '.join(have)}"
                             + (f" (did you mean {override.get_key_element()}={near[0]}?)" if near else ""))
             continue
         option = re.sub(r"(\.\d+)+$", "", key)  # schedule.milestones.1=50 sets one item of a list
