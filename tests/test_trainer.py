@@ -779,23 +779,27 @@ def test_a_sweep_named_by_job_id_checks_every_job_first(tmp_path):
     assert not (tmp_path / "0").exists()
 
 
-def test_a_sweep_counts_a_job_that_crashed_and_goes_on():
+def test_a_sweep_counts_a_job_that_crashed_and_goes_on(tmp_path, capsys):
     """A job that fails with any error returns it (main), and the sweep ends naming it; the
-    return value of a job Hydra marked failed is not read (it raises its error again)."""
+    return value of a job Hydra marked failed is not read (it raises its error again). The
+    jobs' ends are counted through the sweep's folder: a launcher that runs each job in a
+    process of its own (joblib, submitit) calls on_job_end there, not in the sweep's
+    process, whose count stayed empty, so its sweep ended with exit 0."""
     from hydra.core.utils import JobReturn, JobStatus
+    from hydra.types import RunMode
     from omegaconf import OmegaConf
 
     from trainer.app import JobFailed, RunDirectory
-    callback = RunDirectory()
-    config = OmegaConf.create({"hydra": {"job": {"num": 0}, "sweep": {"dir": "sweep"}}})
+    config = OmegaConf.create({"hydra": {"mode": RunMode.MULTIRUN, "job": {"num": 0}, "sweep": {"dir": str(tmp_path)}}})
     crashed = JobReturn(overrides=["trainer.batch_size=4096"], status=JobStatus.COMPLETED)
     crashed.return_value = JobFailed("OutOfMemoryError: CUDA out of memory")
-    callback.on_job_end(config, crashed)
+    RunDirectory().on_job_end(config, crashed)  # in the first job's process
     failed = JobReturn(overrides=["x=1"], status=JobStatus.FAILED, _return_value=RuntimeError("raised again if read"))
-    callback.on_job_end(config, failed)
+    RunDirectory().on_job_end(config, failed)  # in the second's
     with pytest.raises(SystemExit) as ended:
-        callback.on_multirun_end(config)
-    assert ended.value.code == 2 and callback.failed == [
+        RunDirectory().on_multirun_end(config)  # in the sweep's
+    said = capsys.readouterr().err.splitlines()
+    assert ended.value.code == 2 and said[0].startswith("1 of the sweep's 2 jobs failed") and said[1:] == [
         "job 0 (trainer.batch_size=4096): OutOfMemoryError: CUDA out of memory"]
 
 

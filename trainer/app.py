@@ -169,16 +169,19 @@ def _stops_the_run(callback):
     return stopping
 
 
+JOBS = "jobs.jsonl"  # in a sweep's folder: a line for each job that ended, with why it failed
+
+
 class RunDirectory(Callback):
     """Checks the run's folder before Hydra makes it and writes its .hydra/ files there: one
     Hydra cannot make (read-only, under a file) ends in its traceback, and a folder must not
     be another run's (trainer.run_dir), whose command line .hydra/ keeps. Either is one
     message here (conf/train.yaml names this callback); a sweep's jobs' folders likewise.
     A sweep's job that fails (a diverged learning rate, a missing file) does not stop the
-    jobs after it: the sweep ends by naming the failed ones, with a non-zero exit."""
-
-    def __init__(self):
-        self.jobs, self.failed = 0, []  # of this sweep: its jobs run, "job N (its overrides): why" of those failed
+    jobs after it: the sweep ends by naming the failed ones, with a non-zero exit. Each job
+    that ends adds its line to the sweep folder's JOBS file, where the sweep reads them: a
+    launcher may run the jobs, and their callbacks, in processes of its own (joblib,
+    submitit)."""
 
     @_stops_the_run
     def on_run_start(self, config: DictConfig, **kwargs):
@@ -214,18 +217,25 @@ class RunDirectory(Callback):
         _validate_jobs(config, named=True)
         _make(config.hydra.sweep.dir, "hydra.sweep.dir")
         _hold(config.hydra.sweep.dir)
+        (Path(config.hydra.sweep.dir) / JOBS).unlink(missing_ok=True)  # an earlier attempt's, in a folder named again
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs):
-        self.jobs += 1
+        if config.hydra.mode != RunMode.MULTIRUN:
+            return
         # main returns JobFailed for a job that failed (a FAILED status's return_value raises)
-        if job_return.status == JobStatus.COMPLETED and isinstance(job_return.return_value, JobFailed):
-            self.failed.append(f"job {config.hydra.job.num} ({_shown(job_return.overrides)}): "
-                               f"{job_return.return_value}")
+        failed = job_return.status == JobStatus.COMPLETED and isinstance(job_return.return_value, JobFailed)
+        line = json.dumps({"job": config.hydra.job.num, "overrides": _shown(job_return.overrides),
+                           "failed": str(job_return.return_value) if failed else None})
+        with open(Path(config.hydra.sweep.dir) / JOBS, "a") as f:  # one write: the jobs' lines do not mix
+            f.write(line + "\n")
 
     def on_multirun_end(self, config: DictConfig, **kwargs):
-        if self.failed:
-            print(f"{len(self.failed)} of the sweep's {self.jobs} jobs failed (each job's run.log in "
-                  f"{config.hydra.sweep.dir} has its details):\n" + "\n".join(self.failed), file=sys.stderr)
+        path = Path(config.hydra.sweep.dir) / JOBS
+        jobs = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        failed = [f"job {job['job']} ({job['overrides']}): {job['failed']}" for job in jobs if job["failed"]]
+        if failed:
+            print(f"{len(failed)} of the sweep's {len(jobs)} jobs failed (each job's run.log in "
+                  f"{config.hydra.sweep.dir} has its details):\n" + "\n".join(failed), file=sys.stderr)
             raise SystemExit(2)
 
 
