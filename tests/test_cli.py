@@ -13,6 +13,8 @@ import pytest
 
 from tests.test_trainer import ROOT, command, from_a_terminal, run, started
 
+SMALL = ["data.train_size=512", "data.val_size=128"]  # a run whose data size does not matter: seconds less
+
 
 def test_sigterm_between_a_sweeps_jobs_is_one_line(tmp_path):
     """A scheduler preempting a sweep: SIGTERM while Hydra writes the next job's .hydra/
@@ -71,7 +73,7 @@ def test_a_run_whose_data_set_moved_resumes_and_evaluates_given_data_root_alone(
 def test_a_sweep_job_sent_into_another_runs_folder_is_refused_before_any_job_runs(tmp_path):
     """hydra.sweep.subdir=. sends the job into the sweep's folder itself: the job was refused
     only after Hydra had written its .hydra/ over that run's record of its command line."""
-    assert run(tmp_path / "run", "trainer.epochs=1").returncode == 0
+    assert run(tmp_path / "run", *SMALL, "trainer.epochs=1").returncode == 0
     recorded = (tmp_path / "run" / ".hydra" / "overrides.yaml").read_text()
     out = run(tmp_path / "run", "trainer.epochs=2", "hydra.sweep.subdir=.", multirun=True)
     assert out.returncode == 2 and f"{tmp_path / 'run'} holds another run's checkpoints" in out.stderr, out.stderr
@@ -109,7 +111,7 @@ def test_a_second_run_in_a_folder_in_use_is_refused_before_it_writes_there(tmp_p
 def test_a_relative_path_is_read_from_the_folder_the_command_started_in_by_a_sweeps_jobs_too(tmp_path):
     """Under hydra.job.chdir=true a sweep's job runs in its own folder, where checkpoint=run
     named nothing; a single run read it from the folder the command was started in."""
-    assert run(tmp_path / "run", "trainer.epochs=1").returncode == 0
+    assert run(tmp_path / "run", *SMALL, "trainer.epochs=1").returncode == 0
     out = subprocess.run(command(tmp_path / "sweep", "mode=eval", "checkpoint=run", "hydra.job.chdir=true",
                                  "data.tta=0,1", multirun=True), capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -144,7 +146,7 @@ def test_an_interrupted_branch_is_told_how_to_start_it_again(tmp_path):
 def test_a_sweep_of_resumes_checks_every_job_with_its_checkpoints_options_first(tmp_path):
     """A sweep's jobs are checked before the first runs, those that read a checkpoint with the
     options they take from it: one with a bad value was found only after the jobs before it."""
-    assert run(tmp_path / "run", "trainer.epochs=2", "trainer.stop_after_epoch=1").returncode == 0
+    assert run(tmp_path / "run", *SMALL, "trainer.epochs=2", "trainer.stop_after_epoch=1").returncode == 0
     out = run(tmp_path / "sweep", f"trainer.resume={tmp_path / 'run'}", "optimizer.lr=0.1,-1", multirun=True)
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stderr.strip().endswith("optimizer.lr=-1.0 must not be negative; no job has run"), out.stderr
