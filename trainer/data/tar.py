@@ -54,14 +54,14 @@ def _clean(name: str) -> str:
     return posixpath.normpath(name).lstrip("/")
 
 
-def _with_links(files: dict[str, bytes], links: dict[str, tuple[str, bool]]) -> dict[str, bytes]:
+def _with_links(files: dict[str, bytes], member: dict[str, str], links: dict[str, tuple[str, bool]]) -> dict[str, bytes]:
     """`files` and what the archive's links read as once it is unpacked, each at a path
     that `find -L` lists there: a link to a file, that file's contents; a link to a folder,
     that folder's files under the link's path. A link reached through others is followed
     (at most MAX_HOPS of them for one path); a folder already above in the walk is a loop,
     left out as `find -L` leaves it; a link to anything else dangles and is left out.
-    links: a link's path -> (its target, whether it is a hard link, named from the root)."""
-    member = {_clean(name): name for name in files}
+    member: a file's path as unpacked -> its name in `files`; links: a link's path -> (its
+    target, whether it is a hard link, named from the root)."""
     entries: dict[str, set[str]] = {}  # a folder's path ("" the root) -> the names in it
     for path in [*member, *links]:
         parts = path.split("/")
@@ -141,13 +141,14 @@ def tar_files(archive: bytes) -> dict[str, bytes]:
             name = _text(header[:100].split(b"\0", 1)[0])
             prefix = header[345:500].split(b"\0", 1)[0] if header[257:262] == b"ustar" else b""
             name = next_name or (_text(prefix) + "/" + name if prefix else name)
-            files.pop(cleaned.pop(_clean(name), None), None)
-            links.pop(_clean(name), None)
+            clean = _clean(name)
+            files.pop(cleaned.pop(clean, None), None)
+            links.pop(clean, None)
             if kind in FILE_TYPES:
-                files[name], cleaned[_clean(name)] = body, name
+                files[name], cleaned[clean] = body, name
             else:  # a hard link names a member from the root; a symbolic one a path from its own folder
-                links[_clean(name)] = (next_link or _text(header[157:257].split(b"\0", 1)[0]), kind == HARD_LINK)
+                links[clean] = (next_link or _text(header[157:257].split(b"\0", 1)[0]), kind == HARD_LINK)
             next_name = next_link = None
         else:  # directories, devices, global pax headers: nothing to read
             next_name = next_link = None
-    return _with_links(files, links) if links else files
+    return _with_links(files, cleaned, links) if links else files
