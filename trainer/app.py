@@ -21,8 +21,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from trainer.config import (CHECKPOINT_OPTIONS, RUN_OPTIONS, TrainConfig, chosen_keys, expand_paths, given_changes,
-                            given_options, recorded, take_options, validate)
+from trainer.config import (CHECKPOINT_OPTIONS, RUN_OPTIONS, TrainConfig, chosen_keys, expand_paths, first_line,
+                            given_changes, given_options, recorded, take_options, validate)
 from trainer.errors import CheckpointError, ConfigError, TrainerError
 from trainer.run_dir import (continue_with, find_checkpoint, given, other_run, override, restart_checkpoint, restarted,
                              resumed_folder, saved)
@@ -80,7 +80,7 @@ def _configured(dict_cfg: DictConfig, run_dir: Path, hydra: DictConfig, task, sa
 def _unresolved(e: OmegaConfBaseException) -> ConfigError:
     """OmegaConf's error for an interpolation that resolves to nothing ('trainer.epochs=${data.foo}'),
     in one line naming the key."""
-    return ConfigError(f"{e.full_key + ': ' if e.full_key else ''}{(str(e.msg or e).splitlines() or [repr(e)])[0]}")
+    return ConfigError(f"{e.full_key + ': ' if e.full_key else ''}{first_line(e)}")
 
 
 def _take_options(cfg: TrainConfig, path: str, keys, hydra: DictConfig, task, say: bool):

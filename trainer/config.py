@@ -520,8 +520,14 @@ def refused_override(overrides: list[str]) -> str | None:
             try:  # as Hydra merges it into the composed configuration, whose types are the schema's
                 OmegaConf.update(schema, key, value, merge=True)
             except (OmegaConfBaseException, ValueError) as e:
-                return f"{text}: {(str(getattr(e, 'msg', e)).splitlines() or [repr(e)])[0]}"
+                return f"{text}: {first_line(e)}"
     return None
+
+
+def first_line(e: Exception) -> str:
+    """An error's message in one line: OmegaConf's own (its msg, without the key and types it
+    lists after it), else the error's text, else its repr."""
+    return (str(getattr(e, "msg", None) or e).splitlines() or [repr(e)])[0]
 
 
 def no_such_key(key: str) -> str:
