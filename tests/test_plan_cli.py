@@ -112,6 +112,7 @@ def runs(tmp_path_factory):
         proc = run_plan(run_dir, *({**CONFIGS, **BAD}[name][0] if name != "sharded" else SHARDED))
         path = run_dir / "plan.json"
         return name, (proc, json.loads(path.read_text()) if path.exists() else None)
+    tmp_path_factory.getbasetemp()  # made once here: made first by the threads at once, each made its own
     with ThreadPoolExecutor(max_workers=3) as pool:
         return dict(pool.map(one, [*CONFIGS, *BAD, "sharded"]))
 
