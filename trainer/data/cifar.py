@@ -83,8 +83,7 @@ def jpeg_list(root: Path, split: str, members: dict[str, bytes] | None):
     (.../<split>/<class>/<file>); class k is the k-th class name in sorted order."""
     if members is None:
         return list_split(find_split(root, SPLIT_DIRS[split]))
-    # member names are "/"-separated; str.split, as PurePosixPath costs a second per 60,000 names
-    images = [n for n in members if n.lower().endswith(IMAGE_SUFFIXES) and n.count("/") >= 2]
+    images = _archived_images(members)
     # the first of the split's folders the archive holds, as find_split takes in a tree (test/, not val/ too)
     held = {n.split("/")[-3] for n in images}
     folder = next((f for f in SPLIT_DIRS[split] if f in held), None)
@@ -98,12 +97,17 @@ def jpeg_list(root: Path, split: str, members: dict[str, bytes] | None):
     return names, labels, classes
 
 
+def _archived_images(members: dict[str, bytes]) -> list[str]:
+    """The archive's images in class folders (.../<split>/<class>/<file>). Member names are
+    "/"-separated: str.split, as PurePosixPath costs a second per 60,000 names."""
+    return [n for n in members if n.lower().endswith(IMAGE_SUFFIXES) and n.count("/") >= 2]
+
+
 def train_classes(root: Path, members: dict[str, bytes] | None) -> list[str] | None:
     """The class names of the training split, from its folders' names alone (None where it has none)."""
     if members is None:
         return class_folders(root / "train") if (root / "train").is_dir() else None
-    return sorted({n.split("/")[-2] for n in members
-                   if n.lower().endswith(IMAGE_SUFFIXES) and n.count("/") >= 2 and n.split("/")[-3] == "train"}) or None
+    return sorted({n.split("/")[-2] for n in _archived_images(members) if n.split("/")[-3] == "train"}) or None
 
 
 def jpeg_splits(root: Path, members: dict[str, bytes] | None, d: DataConfig,
