@@ -660,13 +660,14 @@ def moment_bytes(plan: MemoryPlan) -> int:
 
 
 @pytest.mark.parametrize("config", [dict(optimizer="momentum"), dict(optimizer="nesterov"), dict(optimizer="adam"),
-                                    dict(optimizer="adamw", amp=True, ema=True), dict(optimizer="lars", amp=True)],
+                                    dict(optimizer="adamw", amp=True, ema=True), dict(optimizer="lars", amp=True),
+                                    dict(optimizer="adam", freeze=("first_conv", "stem_norm"))],
                          ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_sharding_states_what_the_moments_take_and_what_the_arena_saves(config):
     """What mode=plan says one rank of eight saves, against the replicated plan: its moment
     regions (a one-moment optimizer has no V_ to count), and its whole arena, which is
     smaller by less, since padding the units to whole shares grows the weights, gradients
-    and their twins."""
+    and their twins. Frozen parts stash the same in both."""
     model = build_model("fastnet", 10)
     replicated, sharded = (build_plans(model, PlanConfig(shards=n, deep_conv_buckets=4, **config), TRAIN, 10).main
                            for n in (1, 8))

@@ -90,17 +90,15 @@ def freezable(model: nn.Module, part: str) -> tuple[str, nn.Module]:
 
 def frozen_tensors(model: nn.Module, part: str, params: dict[str, ParamTensors],
                    bn: dict[str, BNTensors]) -> list[DTensor]:
-    """What freezing a part holds fixed: its parameters' weights and the moments placed with
-    them and, for a norm, its running statistics (which it normalizes with once frozen)."""
+    """What freezing a part holds fixed: its parameters' weights and, for a norm, its running
+    statistics (which it normalizes with once frozen). Not their moments: only the part's
+    own update reads them, and the weights it moves are put back; and under ZeRO-1 a rank
+    holds a share of a unit's moments, not a tensor's, so holding them would also make a
+    sharded plan's stash differ from a replicated one's."""
     name, module = freezable(model, part)
     prefix = f"{name}." if name else ""
-    out = [x for n, _ in module.named_parameters(recurse=False) for x in held(params[prefix + n])]
+    out = [params[prefix + n].w for n, _ in module.named_parameters(recurse=False)]
     return out + ([bn[name].next_mean, bn[name].next_var] if name in bn else [])
-
-
-def held(p: ParamTensors) -> list[DTensor]:
-    """What a frozen parameter keeps: its weight and the moments placed with it."""
-    return [t for t in (p.w, p.m, p.v) if t is not None]
 
 
 def classify(model: nn.Module) -> tuple[list[tuple[str, Kind, tuple]], list[tuple[str, int]]]:

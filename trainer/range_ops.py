@@ -38,7 +38,7 @@ class RangeOps:
                  growth_interval: int = 2000, dynamic_scale: bool = True,
                  freezes: list[tuple[list[torch.Tensor], int]] = (), muon_lr_scale: float = 1.0,
                  newton_schulz_steps: int = 5):
-        """freezes: (flat views of what a frozen part holds fixed: weights, moments, running
+        """freezes: (flat views of what a frozen part holds fixed: weights and running
         statistics; the step from which they stay so), one per part. The plan's freeze_stash
         keeps their values during a step. Under optimizer=muon the deep convs' step size is
         the schedule's times muon_lr_scale."""
