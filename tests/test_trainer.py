@@ -7,6 +7,7 @@ import math
 import os
 import re
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -653,14 +654,15 @@ def test_checkpoint_from_another_model_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["truncated", "objects beside tensors", "not a zip archive", "no regions",
-                                    "a region cut short", "bytes overwritten"])
+                                    "a region cut short", "bytes overwritten", "a record changed"])
 @pytest.mark.parametrize("reader", ["resume", "eval"])
 def test_a_damaged_checkpoint_is_refused_in_one_line_with_its_path(tmp_path, damage, reader):
     """One line naming the file and the checkpoint before it, to go on from; none of
     torch.load's advice to its own callers (weights_only=False would run whatever the file
     holds), nor a KeyError or a size mismatch from a file that loads but lacks parts. Bytes
-    overwritten inside a part are found by its CRC-32: they would load, and evaluate or train
-    on wrong weights."""
+    overwritten inside a part are found by its CRC-32, and in the records of the run (its
+    options, the offsets of its tensors) by the zip's: they would load, and evaluate or train
+    on wrong weights or options."""
     from trainer.loop import Trainer
     train(tmp_path / "a", "trainer.epochs=2")
     path = find_checkpoint(tmp_path / "a")
@@ -676,6 +678,11 @@ def test_a_damaged_checkpoint_is_refused_in_one_line_with_its_path(tmp_path, dam
         torch.save({k: v for k, v in saved.items() if k != "regions"}, path)
     elif damage == "a region cut short":
         torch.save({**saved, "regions": {k: v[:10] for k, v in saved["regions"].items()}}, path)
+    elif damage == "a record changed":  # the run's learning rate in the pickle, which still loads: 16 times it
+        key = data.index(b"optimizer.lr")
+        value = data.index(struct.pack(">d", saved["meta"]["config"]["optimizer.lr"]), key)
+        assert value - key < 24
+        path.write_bytes(data[:value] + struct.pack(">d", 16 * saved["meta"]["config"]["optimizer.lr"]) + data[value + 8:])
     else:  # the archive's records are stored, not compressed: the region's bytes are in the file as they are
         path.write_bytes(data[:len(data) // 3] + bytes(len(data) // 6) + data[len(data) // 3 + len(data) // 6:])
     with pytest.raises(CheckpointError, match=f"{path} is damaged .*: move it out of {path.parent} to go on from the "

@@ -3,7 +3,8 @@
 A checkpoint holds raw region bytes, so restoring it is bit-exact. It is accepted only by
 a plan whose persistent regions have the same layout (the state fingerprint); otherwise
 the message says which model, optimizer or region differs. Each part's bytes carry a
-CRC-32, so that a file damaged where its layout still reads is refused, not restored.
+CRC-32, and the records beside them (the run's options, the tensors' offsets) the zip's,
+so that a file damaged where its layout still reads is refused, not restored.
 """
 import hashlib
 import json
@@ -168,6 +169,7 @@ def read(path: Path) -> dict:
     path = find_checkpoint(path)
     if not zipfile.is_zipfile(path):  # torch.save writes a zip archive, whose directory is at its end
         raise _damaged(path, "not a whole zip archive, as torch.save writes: cut short, or another kind of file")
+    _check_records(path)
     try:
         # mapped, not read: evaluation reads a checkpoint's options before loading it, and a
         # load copies only the regions it restores
@@ -183,6 +185,20 @@ def read(path: Path) -> dict:
     if missing:
         raise _damaged(path, f"it has no {', '.join(missing)}")
     return payload
+
+
+def _check_records(path: Path):
+    """The archive's entries other than the tensors' bytes, against the CRC-32 the zip keeps
+    for each: torch's loader does not check them, and a byte changed in the pickle (the run's
+    options, the offsets evaluation copies from) loaded as another value. The tensors' bytes,
+    the bulk of the file, are checked part by part as they are restored (_intact)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for entry in archive.infolist():
+                if "/data/" not in entry.filename:
+                    archive.read(entry)  # BadZipFile where the bytes do not match the entry's CRC-32
+    except (zipfile.BadZipFile, OSError, EOFError) as e:
+        raise _damaged(path, f"its records of the run: {e}") from None
 
 
 def prune(folder: Path, keep: int):
