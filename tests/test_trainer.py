@@ -1,11 +1,13 @@
 """The trainer end to end on the CPU: the default run, resume, export, multirun, config
 groups and the non-finite-loss paths."""
 import contextlib
+import errno
 import json
 import logging
 import math
 import os
 import re
+import resource
 import signal
 import struct
 import subprocess
@@ -20,7 +22,7 @@ from tests.helpers import assert_same_state, persistent_state, profile_share, ta
 from trainer import checkpoint
 from trainer.config import compose_config, recorded
 from trainer.dist import Dist
-from trainer.errors import CheckpointError, ConfigError, DivergedError
+from trainer.errors import CheckpointError, ConfigError, DivergedError, WriteError
 from trainer.future import TensorFuture
 from trainer.plan import Baseline as B
 from trainer.regions import Region as R
@@ -257,19 +259,103 @@ def test_a_checkpoint_that_cannot_be_written_stops_the_run_and_keeps_the_earlier
     def save_until_the_disk_fills(obj, f):
         saves.append(f)
         if len(saves) == 2:
-            Path(f).write_bytes(b"half a checkpoint")
-            raise RuntimeError("[enforce fail at inline_container.cc:626] . PytorchStreamWriter failed writing "
-                               "file data/0: file write failed")
+            f.write(b"half a checkpoint")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real_save(obj, f)
     monkeypatch.setattr(checkpoint.torch, "save", save_until_the_disk_fills)
     folder = tmp_path / "a" / "checkpoints"
-    with pytest.raises(CheckpointError, match=f"cannot write the checkpoint {folder / 'epoch_0002.pt'} .*file write "
-                                              f"failed.*intact: make room there, then continue with "
-                                              f"trainer.resume={folder}$"):
+    with pytest.raises(WriteError, match=re.escape(f"cannot write {folder / 'epoch_0002.pt'} (No space left on device); "
+                                                   f"the earlier checkpoints in {folder} are intact") + "$"):
         train(tmp_path / "a", "trainer.epochs=3")
     assert sorted(p.name for p in folder.iterdir()) == ["epoch_0001.pt"]
     monkeypatch.undo()
     assert train(tmp_path / "b", "trainer.epochs=3", f"trainer.resume={folder}").history[-1]["epoch"] == 3
+
+
+def files_up_to(nbytes: int):
+    """In the child: a file it writes cannot grow past nbytes, so the write fails as on a full
+    disk (with EFBIG, "File too large": Python ignores the SIGXFSZ that comes with it)."""
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+
+@pytest.mark.parametrize("mode", ["plan", "train"])
+def test_a_file_that_cannot_be_written_is_one_message_and_leaves_no_part_of_it(tmp_path, mode):
+    """plan.json (27 kB) in mode=plan, the first checkpoint (650 kB) in training, written
+    through torch's writer: one line saying what to do, and no half-written file, which
+    would make the folder another run's or a checkpoint to resume from."""
+    limit, written = (16_000, "plan.json") if mode == "plan" else (100_000, "checkpoints/epoch_0001.pt")
+    out = subprocess.run(command(tmp_path / "run", f"mode={mode}", *TINY, "trainer.epochs=1"), capture_output=True,
+                         text=True, cwd=tmp_path, timeout=300, preexec_fn=files_up_to(limit))
+    said = out.stdout + out.stderr
+    assert out.returncode == 2 and "Traceback" not in said, said
+    then = "run the command again" if mode == "plan" else f"remove {tmp_path / 'run'} and run the command again"
+    assert f"[ERROR] - cannot write {tmp_path / 'run' / written} (File too large); make room there, then {then}\n" in said
+    assert not [p for p in (tmp_path / "run").rglob("*") if p.name.startswith(written.split("/")[-1])]
+
+
+def test_a_metrics_row_that_cannot_be_written_leaves_the_rows_before_it_whole(tmp_path):
+    """The file is cut back to its last whole row: a resume's rows follow it."""
+    from trainer.metrics import MetricsLog
+    log = MetricsLog(tmp_path, new=True)
+    log.epoch({"epoch": 1, "train_loss": 1.0})
+    size = (tmp_path / "metrics.jsonl").stat().st_size
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size + 10, hard))  # the row's first 10 bytes are written
+    try:
+        with pytest.raises(WriteError, match=re.escape(f"cannot write {tmp_path / 'metrics.jsonl'} (File too large)")):
+            log.epoch({"epoch": 2, "train_loss": 0.5})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    log.epoch({"epoch": 2, "train_loss": 0.5})
+    log.close()
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"epoch": 1, "train_loss": 1.0}\n{"epoch": 2, "train_loss": 0.5}\n'
+
+
+def test_a_log_file_that_cannot_be_written_is_said_once_and_the_log_goes_on(capsys):
+    """logging prints a traceback for each line its file cannot take; /dev/full takes none."""
+    from trainer.app import LogFile
+    handler = LogFile("/dev/full")
+    logger = logging.getLogger("test_a_log_file_that_cannot_be_written")
+    logger.addHandler(handler)
+    try:
+        for n in range(3):
+            logger.warning("line %d", n)
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
+    assert capsys.readouterr().err == "warning: cannot write /dev/full (No space left on device): the log goes on on " \
+                                      "the console alone\n"
+
+
+def test_a_second_signal_while_a_checkpoint_is_written_removes_the_part_written(tmp_path):
+    """The exit at once skips written_whole's own removal of the part."""
+    script = """
+import os, signal, sys
+from pathlib import Path
+from trainer import app
+from trainer.run_dir import written_whole
+signal.signal(signal.SIGINT, app._exit_now)
+with written_whole(Path(sys.argv[1])) as part:
+    part.write_bytes(b"half a checkpoint")
+    os.kill(os.getpid(), signal.SIGINT)
+"""
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "epoch_0001.pt")], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert out.returncode == 130 and out.stderr == "stopped at once\n", out.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_folder_that_cannot_be_written_is_one_message(tmp_path):
+    """A run's folder to resume in, on a disk made read-only: Hydra's traceback, as it failed to
+    open run.log there."""
+    from trainer.app import _make
+    folder = tmp_path / "run"
+    folder.mkdir(mode=0o555)
+    if os.access(folder, os.W_OK):
+        pytest.skip("this user writes in folders without write permission (root)")
+    with pytest.raises(ConfigError, match=f"^cannot write in the run's folder {folder}; give one that can be written "
+                                          r"with hydra.run.dir=...$"):
+        _make(str(folder), "hydra.run.dir")
 
 
 def test_a_new_run_in_another_runs_folder_is_refused_and_leaves_it_as_it_was(tmp_path):
@@ -550,8 +636,8 @@ def test_records_rewritten_at_each_checkpoint_are_replaced_whole(tmp_path, monke
     plot_curves(tmp_path, rows)
     before = (tmp_path / "curves.png").read_bytes()
 
-    def stopped_part_way(self, path, **kwargs):
-        Path(path).write_bytes(b"\x89PNG half")
+    def stopped_part_way(self, f, **kwargs):
+        f.write(b"\x89PNG half")
         raise KeyboardInterrupt
     monkeypatch.setattr(Figure, "savefig", stopped_part_way)
     with pytest.raises(KeyboardInterrupt):
@@ -691,6 +777,18 @@ def test_a_damaged_checkpoint_is_refused_in_one_line_with_its_path(tmp_path, dam
                 evaluate_only=reader == "eval")
     message = str(refused.value)
     assert "\n" not in message and "weights_only" not in message and "please" not in message, message
+
+
+def test_a_runs_only_checkpoint_damaged_is_refused_with_a_way_on(tmp_path):
+    """Not "use another checkpoint" alone, where the folder holds none, and a new run in that
+    folder is refused as the folder of a run to continue."""
+    from trainer.loop import Trainer
+    train(tmp_path / "a", "trainer.epochs=1")
+    path = find_checkpoint(tmp_path / "a")
+    path.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match=f"^{path} is damaged .*, and {path.parent} holds no checkpoint before it: "
+                                              "use another checkpoint, or start the run again in a folder of its own$"):
+        Trainer(config(*TINY, f"trainer.resume={tmp_path / 'a'}"), tmp_path / "b", Dist())
 
 
 def test_export_loads_into_torchvision(tmp_path):

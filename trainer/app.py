@@ -23,9 +23,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from trainer.config import (CHECKPOINT_OPTIONS, RUN_OPTIONS, TrainConfig, chosen_keys, expand_paths, first_line,
                             given_changes, given_options, recorded, take_options, validate)
-from trainer.errors import CheckpointError, ConfigError, TrainerError
-from trainer.run_dir import (continue_with, find_checkpoint, given, other_run, override, restart_checkpoint, restarted,
-                             resumed_folder, saved)
+from trainer.errors import CheckpointError, ConfigError, TrainerError, WriteError
+from trainer.run_dir import (PARTS, continue_with, find_checkpoint, given, other_run, override, restart_checkpoint,
+                             restarted, resumed_folder, saved, writing)
 
 log = logging.getLogger("trainer")
 
@@ -37,7 +37,8 @@ def run_plan(cfg: TrainConfig, run_dir: Path):
     plans = make_plans(cfg, cfg.dist.plan_ranks or from_env().world)[1]
     if _is_main():
         print(region_table(plans))
-        (run_dir / "plan.json").write_text(json.dumps(plans.to_json(), indent=1))
+        with writing(run_dir / "plan.json") as f:
+            f.write(json.dumps(plans.to_json(), indent=1).encode())
         log.info("wrote %s", run_dir / "plan.json")
 
 
@@ -46,7 +47,8 @@ def run_train(cfg: TrainConfig, run_dir: Path):
     from trainer.loop import Trainer
     trainer = Trainer(cfg, run_dir, dist.start(cfg))
     if trainer.dist.is_main:
-        (run_dir / "plan.json").write_text(json.dumps(trainer.plans.to_json(), indent=1))
+        with writing(run_dir / "plan.json") as f:
+            f.write(json.dumps(trainer.plans.to_json(), indent=1).encode())
     summary = trainer.fit()
     log.info("summary: %s", json.dumps(summary))
 
@@ -135,7 +137,9 @@ def run_export(cfg: TrainConfig, run_dir: Path):
     bind(model, tensors, arena)
     checkpoint.load(Path(path), arena, checkpoint.identity(cfg), model_only=True)
     if _is_main():
-        torch.save(state_dict(tensors, arena, cfg.ema), run_dir / "model_state_dict.pt")
+        weights = state_dict(tensors, arena, cfg.ema)
+        with writing(run_dir / "model_state_dict.pt") as f:
+            torch.save(weights, f)
         log.info("wrote %s (from %s)", run_dir / "model_state_dict.pt", path)
 
 
@@ -145,7 +149,8 @@ def run_bench(cfg: TrainConfig, run_dir: Path):
     text = bench.run(cfg, device, cfg.bench.optimizers)
     print(text)  # each rank's, of its own GPU
     if _is_main():
-        (run_dir / "bench.md").write_text(text + "\n")
+        with writing(run_dir / "bench.md") as f:
+            f.write((text + "\n").encode())
 
 
 MODES = {"plan": run_plan, "train": run_train, "eval": run_eval, "export": run_export, "bench": run_bench}
@@ -381,6 +386,8 @@ def _make(folder: str, key: str):
         Path(folder).mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise _cannot_make(folder, e, key) from None
+    if not os.access(folder, os.W_OK | os.X_OK):  # a run's folder to resume in, on a disk now read-only
+        raise ConfigError(f"cannot write in the run's folder {folder}; give one that can be written with {key}=...")
 
 
 def _cannot_make(folder, e: OSError, key: str) -> ConfigError:
@@ -402,6 +409,45 @@ def _where_to_continue(cfg: DictConfig, run_dir: Path) -> str:
     if cfg.trainer.resume:  # a checkpoint outside a run's folder: a new folder each time
         return f" before its first checkpoint; continue again from {continue_with(cfg.trainer.resume, world)}"
     return " before the first checkpoint: nothing to continue from"
+
+
+def _once_there_is_room(cfg: DictConfig, run_dir: Path) -> str:
+    """What to do after a file could not be written (a full disk): a training run continues
+    from its newest checkpoint, if it has one."""
+    if cfg.mode != "train":
+        return "; make room there, then run the command again"
+    going_on = _where_to_continue(cfg, run_dir)
+    return "; make room there, then " + (going_on[2:] if going_on.startswith("; ") else
+                                         f"remove {run_dir} and run the command again")
+
+
+class LogFile(logging.FileHandler):
+    """The run's log file (conf/train.yaml names it for Hydra's logging). A write that fails (a
+    full disk) is said once, and the log goes on on the console: logging would print a
+    traceback for each line after it."""
+    failed = False
+
+    def emit(self, record):
+        if not self.failed:
+            super().emit(record)
+
+    def handleError(self, record):
+        error = sys.exc_info()[1]
+        if not isinstance(error, OSError):
+            return super().handleError(record)
+        self._fail(error)
+
+    def close(self):
+        try:  # its last lines, flushed
+            super().close()
+        except OSError as e:
+            self._fail(e)
+
+    def _fail(self, error: OSError):
+        if not self.failed:
+            print(f"warning: cannot write {self.baseFilename} ({error.strerror or error}): the log goes on on the "
+                  "console alone", file=sys.stderr)
+        self.failed = True
 
 
 class JobFailed(str):
@@ -446,6 +492,8 @@ def _interrupt(signum, frame):
 
 
 def _exit_now(signum, frame):
+    for part in list(PARTS):  # a checkpoint half written: os._exit skips written_whole's removal
+        part.unlink(missing_ok=True)
     print("stopped at once", file=sys.stderr, flush=True)
     os._exit(128 + signum)  # as a shell reports a signal: 130 for SIGINT, 143 for SIGTERM
 
@@ -460,7 +508,7 @@ def main(dict_cfg: DictConfig):
         cfg = _configured(dict_cfg, run_dir, HydraConfig.get(), HydraConfig.get().overrides.task)
         MODES[cfg.mode](cfg, run_dir)
     except TrainerError as e:
-        log.error("%s", e)
+        log.error("%s%s", e, _once_there_is_room(dict_cfg, run_dir) if isinstance(e, WriteError) else "")
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             return JobFailed(e)  # the sweep goes on to its next job
         raise SystemExit(2)

@@ -19,7 +19,7 @@ from trainer.dtensor import ITEMSIZE
 from trainer.errors import CheckpointError
 from trainer.plan import Baseline, MemoryPlan
 from trainer.regions import Region
-from trainer.run_dir import find_checkpoint, override, run_folder, saved, written_whole
+from trainer.run_dir import find_checkpoint, run_folder, saved, writing
 
 # Weights, EMA, half copies, BN statistics and optimizer moments: what training accumulates.
 STATE_REGIONS = tuple(r for r in Region if r.name[0] in "BWEAMVN")
@@ -69,13 +69,9 @@ def save(path: Path, arena: Arena, meta: dict, per_rank: dict | None = None):
     }
     payload["checksums"] = {f"{kind}.{name}": _crc(data) for kind in ("regions", "scalars")
                             for name, data in payload[kind].items()}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with written_whole(path) as part:
-            torch.save(payload, part)  # torch's file writer reports a failed write as a RuntimeError
-    except (OSError, RuntimeError) as e:  # a full disk, a lost mount: the earlier checkpoints are whole
-        raise CheckpointError(f"cannot write the checkpoint {path} ({e}); the earlier ones in {path.parent} "
-                              f"are intact: make room there, then continue with {override('trainer.resume', path.parent)}") from None
+    # a full disk, a lost mount: the earlier checkpoints are whole
+    with writing(path, f"; the earlier checkpoints in {path.parent} are intact" if saved(path.parent) else "") as f:
+        torch.save(payload, f)
 
 
 def load(path: Path, arena: Arena, meta_now: dict, rank: int = 0, model_only: bool = False) -> dict:
@@ -135,7 +131,8 @@ def _damaged(path: Path, why: str) -> CheckpointError:
     found = saved(path.parent)
     earlier = found[:found.index(path)] if path in found else []
     if not earlier:
-        return CheckpointError(f"{path} is damaged ({why}); use another checkpoint")
+        return CheckpointError(f"{path} is damaged ({why}), and {path.parent} holds no checkpoint before it: use "
+                               "another checkpoint, or start the run again in a folder of its own")
     return CheckpointError(f"{path} is damaged ({why}): move it out of {path.parent} to go on from the checkpoint "
                            f"before it, {earlier[-1].name}")
 

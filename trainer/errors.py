@@ -21,6 +21,10 @@ class CheckpointError(TrainerError):
     """A checkpoint that cannot be read or belongs to another model or plan."""
 
 
+class WriteError(TrainerError):
+    """A file the run cannot write (a full disk, a folder made read-only); the message names it."""
+
+
 class DivergedError(TrainerError):
     """Training diverged: a NaN or infinite loss (under AMP too: no loss scale mends a forward
     pass), or an epoch's loss too large to come from a model that still learns."""

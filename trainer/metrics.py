@@ -10,7 +10,8 @@ from collections import deque
 from pathlib import Path
 
 from trainer.future import TensorFuture
-from trainer.run_dir import RECORDS, written_whole
+from trainer.errors import WriteError
+from trainer.run_dir import RECORDS, writing
 
 
 class MetricsLog:
@@ -18,7 +19,8 @@ class MetricsLog:
         """new: the file must not exist (a new run claims its folder with it, FileExistsError
         if another has); else rows are appended (a resumed run's)."""
         self.enabled, self.log = enabled, log
-        self.file = open(run_dir / RECORDS, "x" if new else "a") if enabled else None
+        self.path = run_dir / RECORDS
+        self.file = open(self.path, "xb" if new else "ab", buffering=0) if enabled else None
         self.tty = enabled and sys.stdout.isatty()
         self.pending: deque = deque()
         self.last = None  # (future, images so far, epoch) of the last written step
@@ -55,8 +57,7 @@ class MetricsLog:
     def _write(self, row: dict):
         if not self.enabled:
             return
-        self.file.write(to_json(row) + "\n")
-        self.file.flush()
+        self._append(row)
         rate = f"{row['images_per_s']:,.0f} img/s" if row.get("images_per_s") else ""
         line = (f"epoch {row['epoch']} step {row['step']} {row.get('variant', '')} loss {row['loss']:.4f} "
                 f"top1 {row['top1']:.3f} {rate}")
@@ -76,11 +77,22 @@ class MetricsLog:
 
     def _write_record(self, row: dict):
         if self.enabled:
-            self.file.write(to_json(row) + "\n")
-            self.file.flush()
+            self._append(row)
             if self.log is not None:
                 self.log.info(" ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                                        for k, v in row.items()))
+
+    def _append(self, row: dict):
+        """One line, whole or not at all: where a write fails (a full disk) the file is cut back
+        to where it ended, so that a resume's rows follow whole lines."""
+        end = self.file.seek(0, 2)
+        line = memoryview((to_json(row) + "\n").encode())
+        try:
+            while line:  # a raw file may take part of it
+                line = line[self.file.write(line):]
+        except OSError as e:
+            self.file.truncate(end)
+            raise WriteError(f"cannot write {self.path} ({e.strerror or e})") from None
 
     def close(self):
         self.poll(wait_through=float("inf"))
@@ -96,8 +108,8 @@ def to_json(row: dict, **kwargs) -> str:
 
 
 def write_summary(run_dir: Path, summary: dict):
-    with written_whole(run_dir / "summary.json") as part:  # rewritten at each checkpoint
-        part.write_text(to_json(summary, indent=1))
+    with writing(run_dir / "summary.json") as f:  # rewritten at each checkpoint
+        f.write(to_json(summary, indent=1).encode())
 
 
 def plot_curves(run_dir: Path, epochs: list[dict]):
@@ -116,8 +128,8 @@ def plot_curves(run_dir: Path, epochs: list[dict]):
         ax.set_ylabel(key)
         ax.legend()
     fig.tight_layout()
-    with written_whole(run_dir / "curves.png") as part:
-        fig.savefig(part, dpi=100, format="png")
+    with writing(run_dir / "curves.png") as f:
+        fig.savefig(f, dpi=100, format="png")
     plt.close(fig)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from omegaconf import ListConfig, OmegaConf
 
-from trainer.errors import CheckpointError
+from trainer.errors import CheckpointError, WriteError
 
 RECORDS = "metrics.jsonl"
 # what a run of each mode writes beside its log and .hydra/: training (metrics, plan, summary),
@@ -45,17 +45,41 @@ def find_checkpoint(path) -> Path:
     return path
 
 
+PARTS: set[Path] = set()  # what written_whole is writing now, for an exit at once to remove
+
+
 @contextlib.contextmanager
 def written_whole(path: Path):
     """A path to write `path`'s new content to, renamed over it once written: a run stopped
     part way (Ctrl-C, a full disk) leaves the previous file whole, and readers (a resume, two
-    runs sharing a cache) never see half of one. An error removes the part written."""
+    runs sharing a cache) never see half of one. An error removes the part written, and so
+    does an exit that skips this (a second Ctrl-C, trainer.app._exit_now), from PARTS."""
     part = path.with_name(f"{path.name}.{os.getpid()}.part")
+    PARTS.add(part)
     try:
         yield part
         os.replace(part, path)
     finally:
         part.unlink(missing_ok=True)
+        PARTS.discard(part)
+
+
+@contextlib.contextmanager
+def writing(path: Path, advice: str = ""):
+    """A binary file for `path`'s new content, written whole (written_whole) or, where a write
+    fails (a full disk, a folder made read-only), not at all, with one message naming the
+    file and, after it, `advice` (the app adds how to go on). torch.save given the file, not its path, reports a full
+    disk as the file's OSError, where its own writer says "unexpected pos 576 vs 534"; or
+    raises that, with the file's error as its context."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with written_whole(path) as part, open(part, "wb") as f:
+            yield f
+    except (OSError, RuntimeError) as e:
+        failed = e if isinstance(e, OSError) else e.__context__
+        if not isinstance(failed, OSError):
+            raise
+        raise WriteError(f"cannot write {path} ({failed.strerror or failed}){advice}") from None
 
 
 def agent_started_at() -> float | None:
