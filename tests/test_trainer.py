@@ -311,6 +311,31 @@ def test_a_metrics_row_that_cannot_be_written_leaves_the_rows_before_it_whole(tm
     assert (tmp_path / "metrics.jsonl").read_text() == '{"epoch": 1, "train_loss": 1.0}\n{"epoch": 2, "train_loss": 0.5}\n'
 
 
+def test_a_metrics_file_on_a_disk_made_read_only_is_one_message(tmp_path):
+    """A file system remounted read-only after an error refuses the cut back as well."""
+    from trainer.metrics import MetricsLog
+
+    class ReadOnly:
+        def seek(self, offset, whence):
+            return 0
+
+        def write(self, data):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        truncate = write
+    log = MetricsLog(tmp_path, new=True)
+    log.file = ReadOnly()
+    with pytest.raises(WriteError, match=re.escape(f"cannot write {tmp_path / 'metrics.jsonl'} (Read-only file system)")):
+        log.epoch({"epoch": 1, "train_loss": 1.0})
+
+
+def test_a_log_configuration_of_hydras_own_replaces_the_runs_whole(tmp_path):
+    """hydra/job_logging=disabled: no run.log, and no handler left half configured."""
+    out = subprocess.run(command(tmp_path / "run", "mode=plan", "hydra/job_logging=disabled"), capture_output=True,
+                         text=True, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".hydra", "plan.json"]
+
+
 def test_a_log_file_that_cannot_be_written_is_said_once_and_the_log_goes_on(capsys):
     """logging prints a traceback for each line its file cannot take; /dev/full takes none."""
     from trainer.app import LogFile
@@ -353,8 +378,8 @@ def test_a_run_folder_that_cannot_be_written_is_one_message(tmp_path):
     folder.mkdir(mode=0o555)
     if os.access(folder, os.W_OK):
         pytest.skip("this user writes in folders without write permission (root)")
-    with pytest.raises(ConfigError, match=f"^cannot write in the run's folder {folder}; give one that can be written "
-                                          r"with hydra.run.dir=...$"):
+    with pytest.raises(ConfigError, match=f"^cannot write in the run's folder {folder} \\(Permission denied\\); give one "
+                                          r"that can be written with hydra.run.dir=...$"):
         _make(str(folder), "hydra.run.dir")
 
 

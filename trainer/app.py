@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 
@@ -386,8 +387,11 @@ def _make(folder: str, key: str):
         Path(folder).mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise _cannot_make(folder, e, key) from None
-    if not os.access(folder, os.W_OK | os.X_OK):  # a run's folder to resume in, on a disk now read-only
-        raise ConfigError(f"cannot write in the run's folder {folder}; give one that can be written with {key}=...")
+    try:  # a run's folder to resume in, on a disk now read-only: a file made there, as os.access
+        tempfile.TemporaryFile(dir=folder).close()  # answers for the real user, not the one writing
+    except OSError as e:
+        raise ConfigError(f"cannot write in the run's folder {folder} ({e.strerror}); give one that can be written "
+                          f"with {key}=...") from None
 
 
 def _cannot_make(folder, e: OSError, key: str) -> ConfigError:
@@ -508,9 +512,10 @@ def main(dict_cfg: DictConfig):
         cfg = _configured(dict_cfg, run_dir, HydraConfig.get(), HydraConfig.get().overrides.task)
         MODES[cfg.mode](cfg, run_dir)
     except TrainerError as e:
-        log.error("%s%s", e, _once_there_is_room(dict_cfg, run_dir) if isinstance(e, WriteError) else "")
+        why = f"{e}{_once_there_is_room(dict_cfg, run_dir) if isinstance(e, WriteError) else ''}"
+        log.error("%s", why)
         if HydraConfig.get().mode == RunMode.MULTIRUN:
-            return JobFailed(e)  # the sweep goes on to its next job
+            return JobFailed(why)  # the sweep goes on to its next job
         raise SystemExit(2)
     except (KeyboardInterrupt, Terminated) as e:
         raise _stopped(e, dict_cfg, run_dir) from None

@@ -2,6 +2,7 @@
 
 Step metrics arrive as TensorFutures; they are written when ready, in order, so logging
 never makes the host wait for the device, except for an epoch's own steps when its record is written."""
+import contextlib
 import json
 import math
 import sys
@@ -91,7 +92,8 @@ class MetricsLog:
             while line:  # a raw file may take part of it
                 line = line[self.file.write(line):]
         except OSError as e:
-            self.file.truncate(end)
+            with contextlib.suppress(OSError):  # a file system made read-only refuses this too
+                self.file.truncate(end)
             raise WriteError(f"cannot write {self.path} ({e.strerror or e})") from None
 
     def close(self):

@@ -75,6 +75,8 @@ def writing(path: Path, advice: str = ""):
         path.parent.mkdir(parents=True, exist_ok=True)
         with written_whole(path) as part, open(part, "wb") as f:
             yield f
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename is: after a power loss, the old file or the new
     except (OSError, RuntimeError) as e:
         failed = e if isinstance(e, OSError) else e.__context__
         if not isinstance(failed, OSError):
