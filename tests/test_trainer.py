@@ -804,6 +804,13 @@ def test_a_damaged_checkpoint_is_refused_in_one_line_with_its_path(tmp_path, dam
     assert "\n" not in message and "weights_only" not in message and "please" not in message, message
 
 
+def test_a_file_torch_saved_elsewhere_is_refused_naming_what_to_give(tmp_path):
+    torch.save({"weights": torch.zeros(3)}, tmp_path / "model.pt")
+    with pytest.raises(CheckpointError, match=f"^{tmp_path / 'model.pt'} is not a checkpoint written by this trainer: "
+                                              "give one of a run's checkpoints/epoch_N.pt, or its folder$"):
+        checkpoint.read(tmp_path / "model.pt")
+
+
 def test_a_runs_only_checkpoint_damaged_is_refused_with_a_way_on(tmp_path):
     """Not "use another checkpoint" alone, where the folder holds none, and a new run in that
     folder is refused as the folder of a run to continue."""

@@ -177,7 +177,8 @@ def read(path: Path) -> dict:
         why = str(e).splitlines()[0].split(". ")[0] if str(e) else "unreadable"
         raise _damaged(path, f"{type(e).__name__}: {why}") from None
     if not isinstance(payload, dict) or "state_fingerprint" not in payload:
-        raise CheckpointError(f"{path} is not a checkpoint written by this trainer")
+        raise CheckpointError(f"{path} is not a checkpoint written by this trainer: give one of a run's "
+                              "checkpoints/epoch_N.pt, or its folder")
     missing = [key for key in ("layout", "meta", "regions", "scalars") if key not in payload]
     if missing:
         raise _damaged(path, f"it has no {', '.join(missing)}")
