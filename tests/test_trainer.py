@@ -1187,15 +1187,19 @@ def test_set_up_runs_the_ema_switch_and_restores_the_weights(tmp_path, monkeypat
 def test_triton_kernels_train_like_torch_kernels(tmp_path):
     """kernels=triton (Triton's interpreter on the CPU) against kernels=torch, a short run:
     the residual blocks' ReLU masks packed, and read from their outputs
-    (model.pack_relu_masks=false). (On a GPU: tests/test_gpu.py.)"""
+    (model.pack_relu_masks=false). (On a GPU: tests/test_gpu.py.) Four steps each, the
+    three runs side by side: the interpreter runs a Python thread each."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
+    runs = [(name, subprocess.Popen(command(tmp_path / name, "device=cpu", f"kernels={kernels}", "optimizer=lars",
+                                            "ema=true", "trainer.epochs=1", *more, "data.train_size=128",
+                                            "data.val_size=64", "trainer.batch_size=32"),
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path, env=env))
+            for name, kernels, *more in (("torch", "torch"), ("triton", "triton"),
+                                         ("outputs", "triton", "model.pack_relu_masks=false"))]
     states = []
-    for name, kernels, *more in (("torch", "torch"), ("triton", "triton"),
-                                 ("outputs", "triton", "model.pack_relu_masks=false")):
-        out = subprocess.run(command(tmp_path / name, "device=cpu", f"kernels={kernels}", "optimizer=lars", "ema=true",
-                                     "trainer.epochs=1", *more, *TINY), capture_output=True, text=True, cwd=tmp_path,
-                             timeout=300, env=env)
-        assert out.returncode == 0, out.stdout + out.stderr
+    for name, process in runs:
+        out = process.communicate(timeout=300)[0]
+        assert process.returncode == 0, out
         states.append(checkpoint.read(tmp_path / name)["regions"])
     for name in ("W_BN_BIAS", "W_DEEP_CONV", "M_DEEP_CONV", "E_DEEP_CONV"):
         torch_run, *triton_runs = (s[name].view(torch.float32) for s in states)
