@@ -68,9 +68,9 @@ def written_whole(path: Path):
 def writing(path: Path, advice: str = ""):
     """A binary file for `path`'s new content, written whole (written_whole) or, where a write
     fails (a full disk, a folder made read-only), not at all, with one message naming the
-    file and, after it, `advice` (the app adds how to go on). torch.save given the file, not its path, reports a full
-    disk as the file's OSError, where its own writer says "unexpected pos 576 vs 534"; or
-    raises that, with the file's error as its context."""
+    file and, after it, `advice` (the app adds how to go on). torch.save given the file, not
+    its path, reports a full disk as the file's OSError, where its own writer says
+    "unexpected pos 576 vs 534"; or raises that, with the file's error as its context."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with written_whole(path) as part, open(part, "wb") as f:

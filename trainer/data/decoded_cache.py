@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from trainer.run_dir import written_whole
+from trainer.errors import WriteError
+from trainer.run_dir import writing
 
 log = logging.getLogger("trainer")
 FORMAT = 2  # raised whenever what an entry holds, or how it was decoded, changes
@@ -47,10 +48,9 @@ def save(path: Path, arrays: dict[str, np.ndarray]) -> None:
     """Written under another name and renamed: a run that stops part way, or two runs writing
     at once, never leave a half-written entry under the name others read."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with written_whole(path) as part, open(part, "wb") as f:
+        with writing(path) as f:
             np.savez(f, **arrays)
         log.info("decoded images kept in %s for later runs (data.decode_cache)", path)
-    except OSError as e:
+    except WriteError as e:
         log.warning("cannot keep the decoded images in %s (%s): the next run decodes them again; "
                     "set data.decode_cache to a writable folder, or to '' not to keep them", path.parent, e)
