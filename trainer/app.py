@@ -38,8 +38,7 @@ def run_plan(cfg: TrainConfig, run_dir: Path):
     plans = make_plans(cfg, cfg.dist.plan_ranks or from_env().world)[1]
     if _is_main():
         print(region_table(plans))
-        with writing(run_dir / "plan.json") as f:
-            f.write(json.dumps(plans.to_json(), indent=1).encode())
+        _write_plan(plans, run_dir)
         log.info("wrote %s", run_dir / "plan.json")
 
 
@@ -48,10 +47,14 @@ def run_train(cfg: TrainConfig, run_dir: Path):
     from trainer.loop import Trainer
     trainer = Trainer(cfg, run_dir, dist.start(cfg))
     if trainer.dist.is_main:
-        with writing(run_dir / "plan.json") as f:
-            f.write(json.dumps(trainer.plans.to_json(), indent=1).encode())
+        _write_plan(trainer.plans, run_dir)
     summary = trainer.fit()
     log.info("summary: %s", json.dumps(summary))
+
+
+def _write_plan(plans, run_dir: Path):
+    with writing(run_dir / "plan.json") as f:
+        f.write(json.dumps(plans.to_json(), indent=1).encode())
 
 
 def _configured(dict_cfg: DictConfig, run_dir: Path, hydra: DictConfig, task, say: bool = True) -> TrainConfig:
@@ -402,17 +405,28 @@ def _cannot_make(folder, e: OSError, key: str) -> ConfigError:
 def _where_to_continue(cfg: DictConfig, run_dir: Path) -> str:
     """How an interrupted training run goes on: from its newest checkpoint, which keeps the
     run's options, or from the one it resumed if it wrote none."""
-    from trainer.dist import from_env, launched
-    found, world = saved(run_dir / "checkpoints"), from_env().world if launched() else 1
-    if found:
-        return (f"; continue from {found[-1].name} with {continue_with(run_dir, world)} (which takes this run's "
-                "options from it)")
+    newest = _continue_from_newest(run_dir)
+    if newest:
+        return f"; {newest}"
     if cfg.trainer.resume and "hydra.run.dir" in given(HydraConfig.get().overrides.hydra):  # a branch's folder
         return (f" before its first checkpoint: {run_dir} holds nothing to continue from; remove it and run the same "
                 "command again")
     if cfg.trainer.resume:  # a checkpoint outside a run's folder: a new folder each time
-        return f" before its first checkpoint; continue again from {continue_with(cfg.trainer.resume, world)}"
+        return f" before its first checkpoint; continue again from {continue_with(cfg.trainer.resume, _world())}"
     return " before the first checkpoint: nothing to continue from"
+
+
+def _continue_from_newest(run_dir: Path) -> str | None:
+    """How to continue from the run folder's newest checkpoint, None where it has none."""
+    found = saved(run_dir / "checkpoints")
+    if not found:
+        return None
+    return f"continue from {found[-1].name} with {continue_with(run_dir, _world())} (which takes this run's options from it)"
+
+
+def _world() -> int:
+    from trainer.dist import from_env, launched
+    return from_env().world if launched() else 1
 
 
 def _once_there_is_room(cfg: DictConfig, run_dir: Path) -> str:
@@ -420,9 +434,7 @@ def _once_there_is_room(cfg: DictConfig, run_dir: Path) -> str:
     from its newest checkpoint, if it has one."""
     if cfg.mode != "train":
         return "; make room there, then run the command again"
-    going_on = _where_to_continue(cfg, run_dir)
-    return "; make room there, then " + (going_on[2:] if going_on.startswith("; ") else
-                                         f"remove {run_dir} and run the command again")
+    return f"; make room there, then {_continue_from_newest(run_dir) or f'remove {run_dir} and run the command again'}"
 
 
 class LogFile(logging.FileHandler):
