@@ -52,5 +52,5 @@ def save(path: Path, arrays: dict[str, np.ndarray]) -> None:
             np.savez(f, **arrays)
         log.info("decoded images kept in %s for later runs (data.decode_cache)", path)
     except WriteError as e:
-        log.warning("cannot keep the decoded images in %s (%s): the next run decodes them again; "
-                    "set data.decode_cache to a writable folder, or to '' not to keep them", path.parent, e)
+        log.warning("cannot keep the decoded images: %s; the next run decodes them again; "
+                    "set data.decode_cache to a writable folder, or to '' not to keep them", e)
