@@ -1371,6 +1371,33 @@ def test_inputs_the_model_cannot_train_on_are_refused_before_set_up(tmp_path, ov
         Trainer(config(*TINY, *overrides), tmp_path, Dist())
 
 
+def test_the_check_of_the_inputs_leaves_the_model_as_it_was():
+    """The check runs the model itself, in eval mode: afterwards it trains as before, with no
+    hook left on its BatchNorms and their statistics as they were."""
+    from trainer.setup import make_plans
+    model = make_plans(config(*TINY, "model=cifar_resnet20"))[0]
+    assert model.training and all(m.training for m in model.modules())
+    assert not any(m._forward_pre_hooks for m in model.modules())
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert norms and all(m.running_mean.eq(0).all() and m.running_var.eq(1).all() and m.num_batches_tracked == 0
+                         for m in norms)
+
+
+def test_a_run_starts_without_importing_the_compilers(tmp_path):
+    """torch._dynamo and inductor take a second or two of every start-up to import; a run
+    without compile=true trains without them."""
+    imports_at_the_end = f"""
+import atexit, runpy, sys
+atexit.register(lambda: print("compilers:", [m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules]))
+sys.argv = {command(tmp_path / "run", *TINY, "trainer.epochs=1")[1:]!r}
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+    out = subprocess.run([sys.executable, "-c", imports_at_the_end], capture_output=True, text=True, cwd=tmp_path,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "compilers: []" in out.stdout, out.stdout
+
+
 def test_one_image_a_batch_trains_where_the_batchnorms_see_more_than_one_pixel(tmp_path):
     trained = train(tmp_path, "model=cifar_resnet20", "trainer.batch_size=1", "data.train_size=8", "data.val_size=4",
                     "trainer.epochs=1")

@@ -588,9 +588,12 @@ def _validate_compile_options(cfg: TrainConfig):
                               f"this process can write") from None
         if not os.access(folder, os.W_OK | os.X_OK):
             raise ConfigError(f"compile_cache={folder}: this process cannot write there; give a folder it can write")
+    given = _given_options(cfg)
+    if not given:  # inductor's import takes a second or two of every start-up; only its settings need it
+        return
     from torch._inductor import config as inductor
     settings = inductor.get_config_copy()
-    for key, value in _given_options(cfg).items():
+    for key, value in given.items():
         if key not in settings:
             raise ConfigError(f"compile_options.{key}: not an inductor setting (see torch/_inductor/config.py)")
         default = settings[key]

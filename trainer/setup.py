@@ -38,7 +38,8 @@ def use_device(device: torch.device, cfg: TrainConfig):
     torch.backends.cudnn.deterministic = cfg.deterministic
     if cfg.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts: before any GEMM
-    torch.use_deterministic_algorithms(cfg.deterministic)
+    if cfg.deterministic or torch.are_deterministic_algorithms_enabled():  # a sweep's earlier job may have set it
+        torch.use_deterministic_algorithms(cfg.deterministic)  # imports inductor: a second or two of start-up
     if device.type == "cuda":
         if device.index is not None:  # torch 2.11 refuses a bare "cuda"
             torch.cuda.set_device(device)
@@ -78,33 +79,38 @@ def make_variants(cfg: TrainConfig, world: int = 1, sizes: tuple[int, int] | Non
     return variants, per_epoch
 
 
-def check_inputs_fit(cfg: TrainConfig, variants: list[Variant]):
-    """The model on the meta device (shapes only: no memory, no arithmetic) at each training
-    variant's resolution: an image its downsampling shrinks to nothing, or a batch that
-    leaves a BatchNorm one value a channel to normalize over, is refused here, by its
-    settings, instead of torch's error at the first step."""
-    with torch.device("meta"):
-        model = make_model(cfg).eval()
-    values = []  # per image, at each BatchNorm's input: H*W
-    for m in model.modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm):
-            m.register_forward_pre_hook(lambda m, args: values.append(args[0][0, 0].numel()))
-    for resolution in sorted({v.resolution for v in variants if v.train}):
-        values.clear()
-        try:
+def check_inputs_fit(model: nn.Module, cfg: TrainConfig, variants: list[Variant]):
+    """The model forward on one zero image at each training variant's resolution: an image
+    its downsampling shrinks to nothing, or a batch that leaves a BatchNorm one value a
+    channel to normalize over, is refused here, by its settings, instead of torch's error
+    at the first step. On the CPU, in eval mode (nothing learned or counted changes): the
+    meta device would spare the arithmetic, a tenth of a second for ResNet-50 at 224x224,
+    but its Python decompositions import torch._dynamo, a second of every start-up."""
+    values = {}  # per resolution, per image, at each BatchNorm's input: H*W
+    hooks = [m.register_forward_pre_hook(lambda m, args: values[resolution].append(args[0][0, 0].numel()))
+             for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    training = model.training
+    model.eval()
+    try:
+        for resolution in sorted({v.resolution for v in variants if v.train}):
+            values[resolution] = []
             with torch.no_grad():
-                model(torch.empty(2, 3, resolution, resolution, device="meta"))
-        except RuntimeError as e:
-            raise ConfigError(f"{resolution}x{resolution} images are too small for model={cfg.model.name} "
-                              f"({str(e).splitlines()[0]}); raise data.resolution (or trainer.lowres_resolution)") from None
-        for v in variants:
-            if v.train and v.resolution == resolution and v.batch * min(values, default=2) == 1:
-                raise ConfigError(
-                    f"a training batch of one image ({v.name}: trainer.batch_size={cfg.trainer.batch_size}, "
-                    f"trainer.drop_last={cfg.trainer.drop_last}) leaves model={cfg.model.name}'s BatchNorms at "
-                    "1x1 one value a channel to normalize over; change " + (
-                        "the data size, or set trainer.drop_last=true" if v.batch != cfg.trainer.batch_size
-                        else "trainer.batch_size"))
+                model(torch.zeros(1, 3, resolution, resolution))
+    except RuntimeError as e:
+        raise ConfigError(f"{resolution}x{resolution} images are too small for model={cfg.model.name} "
+                          f"({str(e).splitlines()[0]}); raise data.resolution (or trainer.lowres_resolution)") from None
+    finally:
+        model.train(training)
+        for hook in hooks:
+            hook.remove()
+    for v in variants:
+        if v.train and v.batch * min(values[v.resolution], default=2) == 1:
+            raise ConfigError(
+                f"a training batch of one image ({v.name}: trainer.batch_size={cfg.trainer.batch_size}, "
+                f"trainer.drop_last={cfg.trainer.drop_last}) leaves model={cfg.model.name}'s BatchNorms at "
+                "1x1 one value a channel to normalize over; change " + (
+                    "the data size, or set trainer.drop_last=true" if v.batch != cfg.trainer.batch_size
+                    else "trainer.batch_size"))
 
 
 def make_plans(cfg: TrainConfig, world: int = 1, sizes: tuple[int, int] | None = None) -> tuple[nn.Module, Plans, int]:
@@ -112,7 +118,7 @@ def make_plans(cfg: TrainConfig, world: int = 1, sizes: tuple[int, int] | None =
     make_variants)."""
     model = make_model(cfg)
     variants, per_epoch = make_variants(cfg, world, sizes)
-    check_inputs_fit(cfg, variants)
+    check_inputs_fit(model, cfg, variants)
     steps = total_steps(cfg.trainer.epochs, per_epoch)
     return model, build_plans(model, plan_config(cfg, steps, world), variants, cfg.model.num_classes), per_epoch
 
