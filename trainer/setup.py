@@ -80,22 +80,28 @@ def make_variants(cfg: TrainConfig, world: int = 1, sizes: tuple[int, int] | Non
 
 
 def check_inputs_fit(model: nn.Module, cfg: TrainConfig, variants: list[Variant]):
-    """The model forward on one zero image at each training variant's resolution: an image
-    its downsampling shrinks to nothing, or a batch that leaves a BatchNorm one value a
-    channel to normalize over, is refused here, by its settings, instead of torch's error
-    at the first step. On the CPU, in eval mode (nothing learned or counted changes): the
-    meta device would spare the arithmetic, a tenth of a second for ResNet-50 at 224x224,
-    but its Python decompositions import torch._dynamo, a second of every start-up."""
+    """The model forward on one image at each training variant's resolution: an image its
+    downsampling shrinks to nothing, or a batch that leaves a BatchNorm one value a channel
+    to normalize over, is refused here, by its settings, instead of torch's error at the
+    first step. Up to 512x512 the model itself runs a zero image on the CPU, in eval mode
+    (nothing learned or counted changes), in a fraction of a second; larger images go
+    through a copy on the meta device (shapes only), whose Python decompositions import
+    torch._dynamo, a second of start-up that a run without compile=true otherwise spares."""
+    resolutions = sorted({v.resolution for v in variants if v.train})
+    if resolutions[-1] > 512:
+        with torch.device("meta"):
+            model = make_model(cfg)
+    device = next(model.parameters()).device
     values = {}  # per resolution, per image, at each BatchNorm's input: H*W
     hooks = [m.register_forward_pre_hook(lambda m, args: values[resolution].append(args[0][0, 0].numel()))
              for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     training = model.training
     model.eval()
     try:
-        for resolution in sorted({v.resolution for v in variants if v.train}):
+        for resolution in resolutions:
             values[resolution] = []
             with torch.no_grad():
-                model(torch.zeros(1, 3, resolution, resolution))
+                model(torch.zeros(1, 3, resolution, resolution, device=device))
     except RuntimeError as e:
         raise ConfigError(f"{resolution}x{resolution} images are too small for model={cfg.model.name} "
                           f"({str(e).splitlines()[0]}); raise data.resolution (or trainer.lowres_resolution)") from None
