@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_trainer import ROOT, command, from_a_terminal, run, started
+from tests.helpers import run_py
+from tests.test_trainer import command, from_a_terminal, run, started
 
 SMALL = ["data.train_size=512", "data.val_size=128"]  # a run whose data size does not matter: seconds less
 
@@ -112,8 +113,8 @@ def test_a_relative_path_is_read_from_the_folder_the_command_started_in_by_a_swe
     """Under hydra.job.chdir=true a sweep's job runs in its own folder, where checkpoint=run
     named nothing; a single run read it from the folder the command was started in."""
     assert run(tmp_path / "run", *SMALL, "trainer.epochs=1").returncode == 0
-    out = subprocess.run(command(tmp_path / "sweep", "mode=eval", "checkpoint=run", "hydra.job.chdir=true",
-                                 "data.tta=0,1", multirun=True), capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    out = run(tmp_path / "sweep", "mode=eval", "checkpoint=run", "hydra.job.chdir=true", "data.tta=0,1", multirun=True,
+              cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     for job in ("0", "1"):
         summary = json.loads((tmp_path / "sweep" / job / "summary.json").read_text())
@@ -125,9 +126,9 @@ def test_an_interrupted_branch_is_told_how_to_start_it_again(tmp_path):
     first checkpoint was told to resume the checkpoint again, which is refused in its run's
     folder (not its newest) and in the branch's (its records), and dropped its options."""
     assert run(tmp_path / "run", "trainer.epochs=3", "trainer.stop_after_epoch=2").returncode == 0
-    branch = command(tmp_path / "branch", f"trainer.resume={tmp_path / 'run' / 'checkpoints' / 'epoch_0001.pt'}",
-                     "trainer.epochs=3", "trainer.checkpoint_every=0")
-    with started(branch, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
+    branch = [f"trainer.resume={tmp_path / 'run' / 'checkpoints' / 'epoch_0001.pt'}", "trainer.epochs=3",
+              "trainer.checkpoint_every=0"]
+    with started(command(tmp_path / "branch", *branch), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
         printed = ""
         while "epoch 2 step" not in printed:
             line = proc.stdout.readline()
@@ -138,7 +139,7 @@ def test_an_interrupted_branch_is_told_how_to_start_it_again(tmp_path):
     assert (f"interrupted before its first checkpoint: {tmp_path / 'branch'} holds nothing to continue from; remove it "
             "and run the same command again") in printed, printed
     shutil.rmtree(tmp_path / "branch")
-    again = subprocess.run(branch, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    again = run(tmp_path / "branch", *branch, cwd=tmp_path)
     assert again.returncode == 0, again.stdout + again.stderr
     assert json.loads((tmp_path / "branch" / "summary.json").read_text())["epochs"] == 3
 
@@ -188,8 +189,7 @@ def test_an_error_in_the_checks_before_a_run_ends_it_there_with_one_line(tmp_pat
     interpolation that resolves to nothing, met in the checks made before the run's folder,
     gave OmegaConf's five-line message as a warning, a folder for a run that then failed,
     and the checks were skipped."""
-    out = subprocess.run([sys.executable, str(ROOT / "run.py"), "trainer.resume=${nope}"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=120)
+    out = run_py(["trainer.resume=${nope}"], tmp_path)
     assert (out.returncode, out.stderr) == (2, "trainer.resume: Interpolation key 'nope' not found\n"), out.stderr
     assert not (tmp_path / "outputs").exists()
 
@@ -212,8 +212,26 @@ def test_a_sweeps_params_from_its_config_are_checked_resolved_as_the_sweeper_rea
     (tmp_path / "conf").mkdir()
     (tmp_path / "conf" / "seeds.yaml").write_text("defaults: [train, _self_]\nhydra:\n  sweeper:\n    params:\n"
                                                   "      trainer.seed: ${oc.env:SEEDS}\n")
-    out = subprocess.run([sys.executable, str(ROOT / "run.py"), "-m", "--config-dir", str(tmp_path / "conf"),
-                          "--config-name", "seeds", f"hydra.sweep.dir={tmp_path / 'sweep'}", "mode=plan"],
-                         capture_output=True, text=True, cwd=tmp_path, timeout=120, env={**os.environ, "SEEDS": "1,2"})
+    out = run_py(["-m", "--config-dir", str(tmp_path / "conf"), "--config-name", "seeds",
+                  f"hydra.sweep.dir={tmp_path / 'sweep'}", "mode=plan"], tmp_path, env={"SEEDS": "1,2"})
     assert out.returncode == 0, out.stderr
     assert sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir()) == ["0", "1"]
+
+
+def test_a_run_in_the_tests_process_reports_what_its_own_process_would(tmp_path, monkeypatch):
+    """tests/helpers.py's run_py, which most command-line tests here use: an error that
+    escapes the run is its traceback on stderr and exit status 1, as in a process of its
+    own; C extensions' writes are in its output; and the test's process is left as it was."""
+    from trainer import app
+
+    def fails(cfg):
+        print("printed")
+        os.write(2, b"written to file descriptor 2\n")
+        raise RuntimeError("an error no handler takes")
+    monkeypatch.setattr(app, "main", fails)
+    here, sigint, argv = os.getcwd(), signal.getsignal(signal.SIGINT), sys.argv
+    out = run_py([f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert out.returncode == 1 and "Traceback" in out.stderr, out.stderr
+    assert "RuntimeError: an error no handler takes" in out.stderr and "written to file descriptor 2" in out.stderr
+    assert out.stdout == "printed\n"
+    assert (os.getcwd(), signal.getsignal(signal.SIGINT), sys.argv) == (here, sigint, argv)

@@ -1,18 +1,15 @@
 """The Hydra entry in plan mode: `python run.py mode=plan ...` prints the region map and writes
 plan.json, whose shape other tools rely on; bad input exits non-zero with one message."""
 import json
-import os
 import re
 import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import ROOT, run_py
 from trainer.regions import Region
 
-ROOT = Path(__file__).resolve().parents[1]
 SIX = ("BN_BIAS", "BN_WEIGHT", "FC_BIAS", "FC_WEIGHT", "FIRST_CONV", "DEEP_CONV")
 HALF = ("FC_WEIGHT", "FIRST_CONV", "DEEP_CONV")
 W_EQ = {"W_EQ_BIAS", "W_EQ_SCALE"}
@@ -38,10 +35,7 @@ SHARDED = ["optimizer=adamw", "dist.shard_optimizer=true", "dist.plan_ranks=4"]
 
 
 def run_plan(run_dir: Path, *overrides) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    env["OMP_NUM_THREADS"] = "1"
-    return subprocess.run([sys.executable, "run.py", "mode=plan", *overrides, f"hydra.run.dir={run_dir}"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    return run_py(["mode=plan", *overrides, f"hydra.run.dir={run_dir}"], ROOT, env={"HYDRA_FULL_ERROR": None})
 
 
 # Bad input: overrides, what the message must name, whether it is the app's own one-line message
@@ -105,16 +99,13 @@ BAD = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Every command of this file run once, side by side (each takes seconds, mostly start-up):
-    name -> (process, plan.json or None)."""
+    """Every command of this file run once: name -> (its run, plan.json or None)."""
     def one(name):
         run_dir = tmp_path_factory.mktemp(name)
         proc = run_plan(run_dir, *({**CONFIGS, **BAD}[name][0] if name != "sharded" else SHARDED))
         path = run_dir / "plan.json"
-        return name, (proc, json.loads(path.read_text()) if path.exists() else None)
-    tmp_path_factory.getbasetemp()  # made once here: made first by the threads at once, each made its own
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        return dict(pool.map(one, [*CONFIGS, *BAD, "sharded"]))
+        return proc, json.loads(path.read_text()) if path.exists() else None
+    return {name: one(name) for name in [*CONFIGS, *BAD, "sharded"]}
 
 
 def finished(runs, name):

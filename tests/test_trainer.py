@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import assert_same_state, persistent_state, profile_share, table_rows
+from tests.helpers import ROOT, assert_same_state, persistent_state, profile_share, run_py, table_rows
 from trainer import checkpoint
 from trainer.config import compose_config, recorded
 from trainer.dist import Dist
@@ -28,7 +28,6 @@ from trainer.plan import Baseline as B
 from trainer.regions import Region as R
 from trainer.run_dir import find_checkpoint, saved
 
-ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
 TINY = ["data.train_size=512", "data.val_size=128", "trainer.batch_size=32"]
 
@@ -37,10 +36,15 @@ def config(*overrides):
     return compose_config(overrides)
 
 
-def command(run_dir: Path, *args, multirun=False) -> list[str]:
-    """`python run.py` with its run (or sweep) directory at run_dir."""
+def arguments(run_dir: Path, *args, multirun=False) -> list[str]:
+    """run.py's arguments, with its run (or sweep) directory at run_dir."""
     where = f"hydra.sweep.dir={run_dir}" if multirun else f"hydra.run.dir={run_dir}"
-    return [sys.executable, str(ROOT / "run.py"), *(["-m"] if multirun else []), where, *args]
+    return [*(["-m"] if multirun else []), where, *args]
+
+
+def command(run_dir: Path, *args, multirun=False) -> list[str]:
+    """`python run.py ...` as a process of its own: for signals, imports and limits."""
+    return [sys.executable, str(ROOT / "run.py"), *arguments(run_dir, *args, multirun=multirun)]
 
 
 def from_a_terminal():
@@ -63,14 +67,16 @@ def started(argv: list[str], **kwargs):
             proc.communicate()
 
 
-def run(tmp_path: Path, *args, multirun=False) -> subprocess.CompletedProcess:
-    return subprocess.run(command(tmp_path, *args, multirun=multirun), capture_output=True, text=True,
-                          cwd=tmp_path.parent, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+def run(run_dir: Path, *args, multirun=False, cwd: Path | None = None, env=None) -> subprocess.CompletedProcess:
+    """`python run.py ...` started in cwd (run_dir's parent unless given), run in this
+    process (tests/helpers.py's run_py)."""
+    return run_py(arguments(run_dir, *args, multirun=multirun), cwd or run_dir.parent, env)
 
 
 def test_default_run_learns_and_writes_its_records(tmp_path):
-    """`python run.py` with no arguments: the embedded data set, at least 90% top-1."""
-    out = run(tmp_path)
+    """`python run.py` with no arguments, as a process of its own: the embedded data set, at
+    least 90% top-1."""
+    out = subprocess.run(command(tmp_path), capture_output=True, text=True, cwd=tmp_path.parent, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["val_top1"] >= 0.90, summary
@@ -578,8 +584,8 @@ def test_a_resume_goes_on_in_its_runs_folder_with_its_options_and_keeps_its_firs
     assert first.returncode == 0, first.stdout + first.stderr
     hydra = tmp_path / "run" / ".hydra"
     started = (hydra / "overrides.yaml").read_text()
-    resume = [sys.executable, str(ROOT / "run.py"), "trainer.log_every=7", f"trainer.resume={tmp_path / 'run'}"]
-    out = subprocess.run(resume, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    resume = ["trainer.log_every=7", f"trainer.resume={tmp_path / 'run'}"]
+    out = run_py(resume, tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "optimizer.name=lars optimizer.lr=0.3" in out.stdout and "trainer.batch_size=32" in out.stdout
     assert "this command changes the options of the run that wrote" in out.stdout and \
@@ -591,16 +597,15 @@ def test_a_resume_goes_on_in_its_runs_folder_with_its_options_and_keeps_its_firs
                           "trainer.log_every": 7, "data.threads": 0}
     assert (hydra / "overrides.yaml").read_text() == started
     assert f"trainer.resume={tmp_path / 'run'}" in (hydra / "resumed_1" / "overrides.yaml").read_text()
-    older = subprocess.run([*resume[:-1], f"trainer.resume={tmp_path / 'run' / 'checkpoints' / 'epoch_0002.pt'}"],
-                           capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    older = run_py([*resume[:-1], f"trainer.resume={tmp_path / 'run' / 'checkpoints' / 'epoch_0002.pt'}"], tmp_path)
     assert older.returncode == 2 and "is not its run's newest checkpoint (epoch_0003.pt is)" in older.stderr
 
 
 @pytest.mark.parametrize("multirun", [False, True], ids=["run", "sweep"])
 def test_a_run_folder_that_cannot_be_made_is_one_message(tmp_path, multirun):
     (tmp_path / "file").write_text("")  # a folder under a file cannot be made
-    out = subprocess.run(command(tmp_path / "file" / "run", *(["optimizer=sgd,lars"] if multirun else []),
-                                 multirun=multirun), capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    out = run(tmp_path / "file" / "run", *(["optimizer=sgd,lars"] if multirun else []), multirun=multirun,
+              cwd=tmp_path)
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.strip() == (f"cannot make the run's folder {tmp_path / 'file' / 'run'} (Not a directory); "
@@ -619,8 +624,7 @@ def test_runs_started_in_the_same_second_take_folders_of_their_own(tmp_path, kin
     for folder in taken:  # another run's, in each of the next two minutes' seconds
         folder.mkdir(parents=True)
         (folder / "plan.json").write_text("another run's")
-    args = [sys.executable, str(ROOT / "run.py"), *(["-m", "optimizer=sgd,lars"] if kind == "sweep" else []), "mode=plan"]
-    out = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    out = run_py([*(["-m", "optimizer=sgd,lars"] if kind == "sweep" else []), "mode=plan"], tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     assert all((folder / "plan.json").read_text() == "another run's" and
                sorted(p.name for p in folder.iterdir()) == ["plan.json"] for folder in taken)
@@ -678,7 +682,7 @@ def test_a_run_refused_its_folder_leaves_the_other_runs_command_line_there(tmp_p
     (other / "checkpoints" / "epoch_0003.pt").write_bytes(b"")
     (other / ".hydra").mkdir()
     (other / ".hydra" / "overrides.yaml").write_text("- optimizer=lars\n")
-    out = subprocess.run(command(other, "optimizer=sgd"), capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    out = run(other, "optimizer=sgd", cwd=tmp_path)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.strip() == (f"{other} holds another run's checkpoints (epoch_0003.pt): continue that run with "
                                   f"trainer.resume={other}, or give this one a folder of its own (hydra.run.dir=...)")
@@ -691,8 +695,7 @@ def test_evaluations_and_sweeps_keep_out_of_another_runs_folder(tmp_path, mode):
     (other / "checkpoints").mkdir(parents=True)
     (other / "checkpoints" / "epoch_0001.pt").write_bytes(b"")
     args = ["mode=eval", f"checkpoint={other}"] if mode == "eval" else ["optimizer=sgd,lars"]
-    out = subprocess.run(command(other if mode == "eval" else other.parent, *args, multirun=mode == "sweep"),
-                         capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    out = run(other if mode == "eval" else other.parent, *args, multirun=mode == "sweep", cwd=tmp_path)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.strip() == (
         f"{other} holds another run's checkpoints or results: mode=eval would write its own files over them; give "
@@ -903,8 +906,7 @@ def test_a_sweep_with_a_bad_value_in_a_late_job_runs_no_job(tmp_path):
 def test_a_command_that_cannot_start_says_why_and_leaves_no_folder(tmp_path, args, said):
     """Before Hydra makes the run's folder (an empty run folder is the current one) or writes
     a sweep's multirun.yaml, and without a warning from Hydra's callback machinery."""
-    out = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], capture_output=True, text=True, cwd=tmp_path,
-                         timeout=300)
+    out = run_py(args, tmp_path)
     assert out.returncode == 2 and out.stderr.startswith(said.replace("TMP", str(tmp_path))), out.stderr
     assert list(tmp_path.iterdir()) == []
 
@@ -1074,8 +1076,7 @@ def test_a_path_given_with_a_tilde_is_under_the_home_folder(tmp_path):
     """Hydra's grammar takes a ~ in quotes (checkpoint='~/run'), and the shell leaves it as it
     is: the trainer expands it."""
     train(tmp_path / "run", "trainer.epochs=1")
-    out = subprocess.run(command(tmp_path / "eval", "mode=eval", *TINY, "checkpoint='~/run'"), capture_output=True,
-                         text=True, cwd=tmp_path, timeout=300, env={**os.environ, "HOME": str(tmp_path)})
+    out = run(tmp_path / "eval", "mode=eval", *TINY, "checkpoint='~/run'", cwd=tmp_path, env={"HOME": str(tmp_path)})
     assert out.returncode == 0, out.stdout + out.stderr
     assert json.loads((tmp_path / "eval" / "summary.json").read_text())["checkpoint"] == \
         str(tmp_path / "run" / "checkpoints" / "epoch_0001.pt")
@@ -1564,23 +1565,6 @@ def test_forward_runs_without_gradients_and_each_step_leaves_them_in_their_slots
     assert [p.grad.data_ptr() for p in params] == slots
     assert len(syncs) == (2 if sync else 0)  # once per training program
     assert in_slot and all(in_slot) == sync  # without a sync autograd keeps its own tensors
-
-
-def test_a_new_process_takes_the_compiled_step_from_the_caches(tmp_path, monkeypatch):
-    """A second compile of the same step (as a new process makes it) comes from AOTAutograd's
-    cache and inductor's, though the model's BatchNorms and max-pool are custom autograd
-    Functions, which AOTAutograd's cache refuses by default: without it every process traced
-    and partitioned forward and backward again."""
-    from torch._dynamo.utils import counters
-    from trainer.setup import assemble
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    cfg = config(*TINY, "compile=true", "model=resnet18", "data.resolution=32", "data.num_classes=10")
-    for _ in range(2):
-        torch._dynamo.reset()  # forgets the compiled code, as a new process would not have it
-        counters.clear()
-        engine = assemble(cfg, torch.device("cpu"))
-        engine.executor.run("train_base", "A")
-    assert counters["aot_autograd"]["autograd_cache_hit"] == 1 and not counters["aot_autograd"]["autograd_cache_bypass"]
 
 
 def test_set_up_gives_the_stem_pool_the_kernels_backward():
