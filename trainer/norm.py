@@ -9,8 +9,9 @@ I"). Without compile the Triton kernels normalize, add and apply the ReLU in one
 where ATen's BatchNorm, add and ReLU take three; there a block's shortcut hands its
 gradient to the BatchNorm before the block (_NormalizedBatchNorm says why), and the
 stem's BatchNorm, ReLU and max-pool are one pass."""
+import sys
+
 import torch
-import torchvision
 from torch import nn
 from torch.nn.modules.utils import _pair
 
@@ -196,21 +197,6 @@ class BatchNorm2d(nn.BatchNorm2d):
         return torch.relu(y + residual) if self.relu else y + residual
 
 
-class Bottleneck(torchvision.models.resnet.Bottleneck):
-    """torchvision's, with each BatchNorm applying the ReLU after it, and bn3 the residual add."""
-
-    def forward(self, x):
-        out = self.conv3(self.bn2(self.conv2(self.bn1(self.conv1(x)))))
-        return self.bn3(out, x if self.downsample is None else self.downsample(x))
-
-
-class BasicBlock(torchvision.models.resnet.BasicBlock):
-    """torchvision's, with each BatchNorm applying the ReLU after it, and bn2 the residual add."""
-
-    def forward(self, x):
-        return self.bn2(self.conv2(self.bn1(self.conv1(x))), x if self.downsample is None else self.downsample(x))
-
-
 class CifarBlock(models.BasicBlock):
     """The CIFAR ResNet's block, with each BatchNorm applying the ReLU after it, and bn2 the
     residual add."""
@@ -220,9 +206,7 @@ class CifarBlock(models.BasicBlock):
 
 
 # block class -> (its fused twin, the BatchNorms whose ReLU (and residual add) the twin leaves to them)
-_FUSED = {torchvision.models.resnet.Bottleneck: (Bottleneck, ("bn1", "bn2", "bn3")),
-          torchvision.models.resnet.BasicBlock: (BasicBlock, ("bn1", "bn2")),
-          models.BasicBlock: (CifarBlock, ("bn1", "bn2"))}
+_FUSED = {models.BasicBlock: (CifarBlock, ("bn1", "bn2"))}
 
 
 def use_batch_norm_kernels(model: nn.Module, kernels, normalize: bool = False, pack_masks: bool = True) -> int:
@@ -234,6 +218,12 @@ def use_batch_norm_kernels(model: nn.Module, kernels, normalize: bool = False, p
     into its BatchNorm, a mean-pool to (1, 1) becomes a MeanPool2d, and `pack_masks` says
     whether a block-end BatchNorm keeps its ReLU's mask packed (_NormalizedBatchNorm).
     Returns how many BatchNorms."""
+    # torchvision's blocks only where torchvision is loaded, as a model of them loaded it
+    torchvision = sys.modules.get("torchvision")
+    fused = _FUSED
+    if torchvision is not None:
+        from trainer.torchvision_blocks import FUSED
+        fused = {**FUSED, **_FUSED}
     swapped = 0
     for m in model.modules():
         if type(m) is nn.BatchNorm2d and m.affine and m.track_running_stats and m.momentum is not None:
@@ -243,7 +233,7 @@ def use_batch_norm_kernels(model: nn.Module, kernels, normalize: bool = False, p
         elif normalize and type(m) is nn.AdaptiveAvgPool2d and _pair(m.output_size) == (1, 1):
             m.__class__ = MeanPool2d
     for m in model.modules():
-        twin, norms = _FUSED.get(type(m), (None, ()))
+        twin, norms = fused.get(type(m), (None, ()))
         if twin is not None and all(type(getattr(m, n)) is BatchNorm2d for n in norms):
             m.__class__ = twin
             for n in norms:
@@ -253,7 +243,7 @@ def use_batch_norm_kernels(model: nn.Module, kernels, normalize: bool = False, p
             conv = shortcut[0] if shortcut else None
             if normalize and type(conv) is nn.Conv2d and conv.bias is None and conv.padding_mode == "zeros":
                 conv.__class__ = ShortcutConv2d
-    if type(model) is torchvision.models.ResNet and type(model.bn1) is BatchNorm2d and type(model.relu) is nn.ReLU:
+    if torchvision is not None and type(model) is torchvision.models.ResNet and type(model.bn1) is BatchNorm2d and type(model.relu) is nn.ReLU:
         model.bn1.relu, model.relu = True, nn.Identity()
         if normalize and type(model.maxpool) is MaxPool2d:  # the normalized stem is never written
             model.bn1.pool, model.maxpool.folded = model.maxpool.window(), True

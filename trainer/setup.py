@@ -18,6 +18,7 @@ from trainer.errors import ConfigError
 from trainer.executor import Executor
 from trainer.feeder import BUFFERS
 from trainer.models import build_model
+from trainer.norm import use_batch_norm_kernels
 from trainer.planner import Plans, build_plans, freezable, frozen_tensors
 from trainer.pooling import use_max_pool_kernel
 from trainer.program import Program
@@ -188,7 +189,6 @@ def assemble(cfg: TrainConfig, device: torch.device, world: int = 1,
     # Inductor fuses the normalization with what is around it; without it the Triton kernels
     # do, while the reference's torch form (the CPU's) is slower than ATen's BatchNorm
     if cfg.compile or kernels is not reference:
-        from trainer.norm import use_batch_norm_kernels  # imports torchvision, slow: only here
         use_batch_norm_kernels(model, kernels, normalize=not cfg.compile, pack_masks=cfg.model.pack_relu_masks)
     ops = RangeOps(plans.main, arena, kernels, bias_lr_scale=cfg.optimizer.bias_lr_scale,
                    ema_every=t.ema_every, ema_warmup_power=t.ema_warmup_power, lookahead=t.lookahead,
