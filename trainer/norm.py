@@ -243,7 +243,8 @@ def use_batch_norm_kernels(model: nn.Module, kernels, normalize: bool = False, p
             conv = shortcut[0] if shortcut else None
             if normalize and type(conv) is nn.Conv2d and conv.bias is None and conv.padding_mode == "zeros":
                 conv.__class__ = ShortcutConv2d
-    if torchvision is not None and type(model) is torchvision.models.ResNet and type(model.bn1) is BatchNorm2d and type(model.relu) is nn.ReLU:
+    resnet = torchvision is not None and type(model) is torchvision.models.ResNet
+    if resnet and type(model.bn1) is BatchNorm2d and type(model.relu) is nn.ReLU:
         model.bn1.relu, model.relu = True, nn.Identity()
         if normalize and type(model.maxpool) is MaxPool2d:  # the normalized stem is never written
             model.bn1.pool, model.maxpool.folded = model.maxpool.window(), True
