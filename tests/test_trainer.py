@@ -883,6 +883,22 @@ def test_a_sweep_job_that_fails_is_named_at_the_end_and_the_jobs_after_it_run(tm
     assert json.loads((tmp_path / "1" / "summary.json").read_text())["steps"] == 16
 
 
+def test_a_sweep_whose_record_of_its_jobs_cannot_be_written_still_names_the_one_that_failed(tmp_path, monkeypatch):
+    """The sweep reads its jobs' ends from its folder's jobs.jsonl (trainer/app.py's JOBS); a
+    line that cannot be written (here a folder that is not there, as a full disk refuses
+    it) is one warning, and the sweep still ends naming the job that failed, with exit 2,
+    where Hydra's warning for the callback's error had it end 0."""
+    from trainer import app
+    monkeypatch.setattr(app, "JOBS", "gone/jobs.jsonl")
+    out = run(tmp_path, "optimizer.lr=1e9,0.1", "trainer.epochs=1", *TINY, multirun=True)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stdout + out.stderr
+    for job in (0, 1):
+        assert (f"warning: cannot write {tmp_path / 'gone' / 'jobs.jsonl'} (No such file or directory): the sweep's "
+                f"end counts job {job} only where it ran in the sweep's own process\n") in out.stderr, out.stderr
+    assert "1 of the sweep's 2 jobs failed" in out.stderr and "\njob 0 (optimizer.lr=" in out.stderr, out.stderr
+    assert "UserWarning" not in out.stderr
+
+
 def test_a_sweep_with_a_bad_value_in_a_late_job_runs_no_job(tmp_path):
     """Each job's values are checked before the first job trains, not when its turn comes."""
     sweep = tmp_path / "sweep"

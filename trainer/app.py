@@ -190,7 +190,10 @@ class RunDirectory(Callback):
     jobs after it: the sweep ends by naming the failed ones, with a non-zero exit. Each job
     that ends adds its line to the sweep folder's JOBS file, where the sweep reads them: a
     launcher may run the jobs, and their callbacks, in processes of its own (joblib,
-    submitit)."""
+    submitit). A line that cannot be written (a full disk) is said once, and kept here for
+    the sweep's end, which it reaches where the jobs run in this process: Hydra made what a
+    callback raised a warning, and the sweep ended without counting that job."""
+    unwritten: tuple = ()  # the lines this process could not add to JOBS
 
     @_stops_the_run
     def on_run_start(self, config: DictConfig, **kwargs):
@@ -233,14 +236,21 @@ class RunDirectory(Callback):
             return
         # main returns JobFailed for a job that failed (a FAILED status's return_value raises)
         failed = job_return.status == JobStatus.COMPLETED and isinstance(job_return.return_value, JobFailed)
-        line = json.dumps({"job": config.hydra.job.num, "overrides": _shown(job_return.overrides),
-                           "failed": str(job_return.return_value) if failed else None})
-        with open(Path(config.hydra.sweep.dir) / JOBS, "a") as f:  # one write: the jobs' lines do not mix
-            f.write(line + "\n")
+        job = {"job": config.hydra.job.num, "overrides": _shown(job_return.overrides),
+               "failed": str(job_return.return_value) if failed else None}
+        path = Path(config.hydra.sweep.dir) / JOBS
+        try:
+            with open(path, "a") as f:  # one write: the jobs' lines do not mix
+                f.write(json.dumps(job) + "\n")
+        except OSError as e:
+            print(f"warning: cannot write {path} ({e.strerror or e}): the sweep's end counts job {job['job']} only "
+                  "where it ran in the sweep's own process", file=sys.stderr)
+            self.unwritten += (job,)
 
     def on_multirun_end(self, config: DictConfig, **kwargs):
         path = Path(config.hydra.sweep.dir) / JOBS
         jobs = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        jobs = sorted([*jobs, *self.unwritten], key=lambda job: job["job"])
         failed = [f"job {job['job']} ({job['overrides']}): {job['failed']}" for job in jobs if job["failed"]]
         if failed:
             print(f"{len(failed)} of the sweep's {len(jobs)} jobs failed (each job's run.log in "
