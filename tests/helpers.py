@@ -90,9 +90,10 @@ def run_py(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.Co
     """`python run.py ARGS` started in `cwd`, run in this process: the script as __main__,
     its output (C extensions' too) from file descriptors 1 and 2, its exit status, and a
     traceback for what escapes it, as the interpreter would print them. A new process spends
-    2 to 3 s importing torch (a CPU test run takes about 0.5 s more); Hydra's sweeps run
-    their jobs one after the other in one process too, so a run leaves no state behind for
-    the next. Signals, imports and torchrun need processes of their own."""
+    2 to 3 s of a 2-core machine importing torch, where a plan or a short CPU run itself
+    takes 0.3 to 0.8 s; Hydra's sweeps run their jobs one after the other in one process
+    too, so a run leaves no state behind for the next. Signals, imports and torchrun need
+    processes of their own."""
     argv = [str(ROOT / "run.py"), *args]
     saved_fds = [os.dup(1), os.dup(2)]
     saved = (sys.stdout, sys.stderr, sys.argv, os.getcwd(), dict(os.environ),

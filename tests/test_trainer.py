@@ -1617,9 +1617,9 @@ def test_set_up_gives_batch_norm_the_kernels_where_they_are_faster(compile_, ker
     model.pack_relu_masks says, and the mean-pool gives its gradient broadcast; the torch
     reference's form would be slower than ATen's BatchNorm, which stays."""
     from trainer.norm import BatchNorm2d
-    from trainer.torchvision_blocks import Bottleneck
     from trainer.pooling import MeanPool2d
     from trainer.setup import assemble
+    from trainer.torchvision_blocks import Bottleneck
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     model = assemble(config(*TINY, "model=resnet50", "data.resolution=32", f"compile={str(compile_).lower()}",
                             f"kernels={kernels}", f"model.pack_relu_masks={str(pack).lower()}"),
