@@ -289,7 +289,7 @@ def test_a_file_that_cannot_be_written_is_one_message_and_leaves_no_part_of_it(t
     """plan.json (27 kB) in mode=plan, the first checkpoint (650 kB) in training, written
     through torch's writer: one line saying what to do, and no half-written file, which
     would make the folder another run's or a checkpoint to resume from."""
-    limit, written = (16_000, "plan.json") if mode == "plan" else (100_000, "checkpoints/epoch_0001.pt")
+    limit, written = (20_000, "plan.json") if mode == "plan" else (100_000, "checkpoints/epoch_0001.pt")
     out = subprocess.run(command(tmp_path / "run", f"mode={mode}", *TINY, "trainer.epochs=1"), capture_output=True,
                          text=True, cwd=tmp_path, timeout=300, preexec_fn=files_up_to(limit))
     said = out.stdout + out.stderr
@@ -394,6 +394,23 @@ def test_a_run_folder_that_cannot_be_written_is_one_message(tmp_path):
     with pytest.raises(ConfigError, match=f"^cannot write in the run's folder {folder} \\({why}\\); give one that can "
                                           r"be written with hydra.run.dir=...$"):
         _make(str(folder), "hydra.run.dir")
+
+
+def test_a_run_folder_on_a_full_disk_is_one_message(tmp_path):
+    """A full disk still makes the run's folder and empty files in it; Hydra's .hydra/
+    records then failed in its traceback. A small tmpfs, filled, in a mount namespace of
+    the run's own."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = ["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size=256k none {disk} && cat /dev/zero 2>/dev/null > {disk}/fill; '
+             f'exec "$@"', "sh"]
+    if subprocess.run([*mount, "true"], capture_output=True).returncode != 0:
+        pytest.skip("this user cannot mount a tmpfs in a namespace of its own (unshare -rm)")
+    out = subprocess.run([*mount, *command(disk / "run", "trainer.epochs=1")], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=120)
+    assert (out.returncode, out.stdout) == (2, ""), out.stdout + out.stderr
+    assert out.stderr == (f"cannot write in the run's folder {disk}/run (No space left on device); make room there, "
+                          "or give the run another folder with hydra.run.dir=...\n")
 
 
 def test_a_new_run_in_another_runs_folder_is_refused_and_leaves_it_as_it_was(tmp_path):

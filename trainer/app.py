@@ -1,4 +1,5 @@
 """The Hydra application: validate the configuration, then run the requested mode."""
+import errno
 import fcntl
 import functools
 import itertools
@@ -393,6 +394,9 @@ def _refuse_another_runs(folder: Path, config: DictConfig):
         raise ConfigError(why)
 
 
+ROOM = 16 * 1024  # what a run's folder must take before it starts: Hydra's .hydra/ records, 3 files of 2-4 kB
+
+
 def _make(folder: str, key: str):
     if not str(folder).strip():  # Hydra would write the run into the current folder
         raise ConfigError(f"{key} is empty: give the run a folder ({key}=...)")
@@ -400,11 +404,13 @@ def _make(folder: str, key: str):
         Path(folder).mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise _cannot_make(folder, e, key) from None
-    try:  # a run's folder to resume in, on a disk now read-only: a file made there, as os.access
-        tempfile.TemporaryFile(dir=folder).close()  # answers for the real user, not the one writing
+    try:  # a run's folder to resume in, on a disk now read-only or full: a file written there (os.access
+        with tempfile.TemporaryFile(dir=folder) as probe:  # answers for the real user, not the one writing)
+            probe.write(bytes(ROOM))  # a full disk still makes empty files, and Hydra writes .hydra/ after this
+            probe.flush()
     except OSError as e:
-        raise ConfigError(f"cannot write in the run's folder {folder} ({e.strerror}); give one that can be written "
-                          f"with {key}=...") from None
+        do = "make room there, or give the run another folder" if e.errno == errno.ENOSPC else "give one that can be written"
+        raise ConfigError(f"cannot write in the run's folder {folder} ({e.strerror}); {do} with {key}=...") from None
 
 
 def _cannot_make(folder, e: OSError, key: str) -> ConfigError:
