@@ -18,6 +18,7 @@
 # $GPUS with compile=true);
 # fusionprobe needs the nvidia-cudnn-frontend package (docs/BENCHMARKS.md, "Session I"); with
 # ARGS="512 resnet18_cifar" (and TAG=_r18 to name its log) it times the 32x32 ResNet-18's layers, not ResNet-50's.
+# convprobe: bench/conv_probe.py, each convolution of the 32x32 ResNet-18 timed on its own (ARGS="resnet50 256": ResNet-50's).
 # streamprobe: bench/stream_probe.py, the weight gradients on a second stream; ARGS="256 resnet50" for ResNet-50's.
 set -u
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
@@ -49,6 +50,7 @@ for s in "$@"; do case $s in
             data.val_size=512 trainer.epochs=2 trainer.log_every=1 hydra.run.dir=$OUT/r50dp$1$2$3; done
           python3 bench/throughput.py $OUT/r50dp1falsefalse $OUT/r50dp${G}falsefalse $OUT/r50dp${G}falsetrue $OUT/r50dp${G}truefalse;;
   fusionprobe) section fusionprobe$TAG 540 python3 bench/fusion_probe.py ${ARGS:-256};;  # ARGS="512 resnet18_cifar"
+  convprobe) section convprobe$TAG 300 python3 bench/conv_probe.py ${ARGS:-resnet18_cifar 512};;  # ARGS="resnet50 256"
   streamprobe) section streamprobe$TAG 200 python3 bench/stream_probe.py ${ARGS:-512 resnet18_cifar};;
   kernels) section kernels 120 python3 bench/kernels_bench.py;;
   bnsweep) section bnsweep$TAG 420 python3 bench/batch_norm_sweep.py $ARGS;;
