@@ -90,6 +90,21 @@ def test_a_sweep_jobs_value_of_the_wrong_type_says_why(tmp_path):
     assert not (tmp_path / "sweep").exists()
 
 
+@pytest.mark.parametrize("sweep, said", [
+    ("optimizer.lr=interval(0,1)", "optimizer.lr=interval(0,1): Hydra's basic sweeper runs lists (a,b,c), range() and "
+                                   "choice(); interval() is for a sweeper that samples (a hydra/sweeper plugin such as "
+                                   "optuna)"),
+    ("optimizer=glob(zz*)", "optimizer=glob(zz*) sweeps over no value: the sweep would have no jobs; give it one or more"),
+    ("trainer.seed=range(0)", "trainer.seed=range(0) sweeps over no value: the sweep would have no jobs; give it one or "
+                              "more")])
+def test_a_sweep_the_basic_sweeper_cannot_run_is_one_line(tmp_path, sweep, said):
+    """interval() ended in the sweeper's traceback, and a sweep of no jobs in exit 0 with a
+    folder holding only multirun.yaml."""
+    out = run(tmp_path / "sweep", sweep, multirun=True)
+    assert (out.returncode, out.stderr) == (2, said + "\n")
+    assert not (tmp_path / "sweep").exists()
+
+
 def test_a_second_run_in_a_folder_in_use_is_refused_before_it_writes_there(tmp_path):
     """A resume of a run that has not ended (a requeued job beside the one still stopping)
     passed the folder checks and trained into it beside the first: two records of an epoch,

@@ -273,6 +273,12 @@ def _validate_jobs(config: DictConfig, named: bool = False):
     params = [f"{key}={value}" for key, value in (OmegaConf.to_container(params, resolve=True) if params else {}).items()]
     task = OmegaConf.to_container(config.hydra.overrides.task)
     overrides = OverridesParser.create(config_loader=loader).parse_overrides(params + task)
+    for o in overrides:
+        if o.is_interval_sweep():  # the basic sweeper's own refusal is a traceback
+            raise ConfigError(f"{o.input_line}: Hydra's basic sweeper runs lists (a,b,c), range() and choice(); "
+                              "interval() is for a sweeper that samples (a hydra/sweeper plugin such as optuna)")
+        if o.is_sweep_override() and not list(o.sweep_string_iterator()):  # the sweep would launch 0 jobs, and end 0
+            raise ConfigError(f"{o.input_line} sweeps over no value: the sweep would have no jobs; give it one or more")
     folders = {}
     for number, job in enumerate(BasicSweeper.split_arguments(overrides, None)[0]):
         try:
