@@ -149,6 +149,16 @@ def test_resuming_a_finished_run_says_so_and_reports_its_results(tmp_path, caplo
         assert again[key] == first[key], key
 
 
+def test_a_resume_that_trains_nothing_leaves_the_runs_records_as_they_were(tmp_path):
+    """Resumed in its folder with fewer epochs than it trained, a run trains nothing; its
+    plan.json was written anew with the schedule of epochs it never trained."""
+    assert run(tmp_path / "run", *TINY, "trainer.epochs=2").returncode == 0
+    records = {p: p.read_bytes() for p in (tmp_path / "run").iterdir() if p.is_file() and p.name != "run.log"}
+    out = run(tmp_path / "run", *TINY, "trainer.epochs=1", f"trainer.resume={tmp_path / 'run'}")
+    assert out.returncode == 0 and "nothing left to train" in out.stdout + out.stderr, out.stdout + out.stderr
+    assert {p: p.read_bytes() for p in records} == records
+
+
 @pytest.mark.parametrize("sent, status, said", [(signal.SIGINT, 130, "interrupted"),
                                                 (signal.SIGTERM, 143, "terminated")], ids=["ctrl_c", "sigterm"])
 def test_ctrl_c_names_the_checkpoint_to_continue_from_which_resumes(tmp_path, sent, status, said):

@@ -47,7 +47,7 @@ def run_train(cfg: TrainConfig, run_dir: Path):
     from trainer import dist
     from trainer.loop import Trainer
     trainer = Trainer(cfg, run_dir, dist.start(cfg))
-    if trainer.dist.is_main:
+    if trainer.dist.is_main and not trainer.finished:  # a resume that trains nothing keeps the run's own plan
         _write_plan(trainer.plans, run_dir)
     summary = trainer.fit()
     log.info("summary: %s", json.dumps(summary))

@@ -101,12 +101,12 @@ class Trainer:
         self.metrics = self._records(run_dir, claim=not evaluate_only, enabled=dist.is_main and not evaluate_only)
         ready = self.clock()
         # a finished run resumed, or torchrun restarting a job after its last checkpoint
-        finished = not evaluate_only and (self.stopped or self.start_epoch >= math.ceil(t.epochs))
+        self.finished = not evaluate_only and (self.stopped or self.start_epoch >= math.ceil(t.epochs))
         if self.stopped:
             log.info("torchrun restarted the job after epoch %d's checkpoint, where trainer.stop_after_epoch=%d "
                      "stops it: nothing left to train; continue with %s", self.start_epoch, t.stop_after_epoch,
                      continue_with(run_dir, dist.world))
-        elif finished:
+        elif self.finished:
             log.info("%s has trained %d epoch(s), all that trainer.epochs=%g asks for: nothing left to train; raise "
                      "trainer.epochs to train on, or evaluate it with mode=eval checkpoint=%s",
                      t.resume, self.start_epoch, t.epochs, t.resume)
@@ -115,7 +115,7 @@ class Trainer:
                      "takes minutes, later runs load it from %s in seconds",
                      Path(cfg.compile_cache).resolve() if cfg.compile_cache else "inductor's cache")
         # evaluation alone (mode=eval) needs no training graphs: their capture is seconds of set-up
-        if not finished:
+        if not self.finished:
             self.executor.capture(self.executor.keys(train=False) if evaluate_only else None)
         if cfg.ema:  # evaluation swaps the EMA weights in eagerly: compile those kernels now, not in the timed run
             self.ops.sema_switch()
