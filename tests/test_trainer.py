@@ -961,6 +961,25 @@ def test_a_command_that_cannot_start_says_why_and_leaves_no_folder(tmp_path, arg
     assert list(tmp_path.iterdir()) == []
 
 
+def test_another_file_or_a_folder_of_runs_for_a_checkpoint_names_what_to_give(tmp_path):
+    """A run's plan.json given to resume from was "not its run's newest checkpoint", its
+    summary.json to evaluate "damaged, and no checkpoint before it: start the run again";
+    a sweep's folder had no word on its jobs' folders."""
+    run_dir = tmp_path / "sweep" / "0"
+    assert run(run_dir, *TINY, "trainer.epochs=1", cwd=tmp_path).returncode == 0
+    for args, said in [
+        ([f"trainer.resume={run_dir / 'plan.json'}"], f"{run_dir / 'plan.json'} is not a checkpoint written by this "
+                                                      f"trainer: give one of a run's checkpoints/epoch_N.pt, or its "
+                                                      f"folder ({run_dir})"),
+        (["mode=eval", f"checkpoint={run_dir / 'summary.json'}"], f"{run_dir / 'summary.json'} is not a checkpoint"),
+        ([f"trainer.resume={run_dir.parent}"], f"no checkpoints (epoch_N.pt) in {run_dir.parent}: give one of the runs "
+                                               f"in it ({run_dir})")]:
+        before = sorted(tmp_path.rglob("*"))
+        out = run(tmp_path / "other", *args)
+        assert out.returncode == 2 and out.stderr.startswith(said + ("\n" if "resume" in args[0] else "")), out.stderr
+        assert sorted(tmp_path.rglob("*")) == before
+
+
 def test_a_sweep_named_by_job_id_checks_every_job_first(tmp_path):
     """hydra.sweep.subdir=${hydra.job.id}: the job's folder resolves as Hydra's launcher sets it."""
     out = run(tmp_path, "mode=plan", "optimizer.lr=0.1,-1", "hydra.sweep.subdir=${hydra.job.id}", multirun=True)

@@ -9,6 +9,7 @@ import contextlib
 import os
 import re
 import shlex
+import zipfile
 from pathlib import Path
 
 from omegaconf import ListConfig, OmegaConf
@@ -37,11 +38,20 @@ def find_checkpoint(path) -> Path:
     if path.is_dir():
         folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
         found = saved(folder)
-        if not found:
-            raise CheckpointError(f"no checkpoints (epoch_N.pt) in {folder}")
+        if not found:  # a sweep's folder, or one of runs: the runs in it
+            runs = sorted(str(p) for p in folder.iterdir() if saved(p / "checkpoints"))
+            raise CheckpointError(f"no checkpoints (epoch_N.pt) in {folder}: " + (
+                f"give one of the runs in it ({', '.join(runs[:3])}{', ...' if runs[3:] else ''})" if runs else
+                "give a run's folder that holds them, or a checkpoint file"))
         return found[-1]
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}: give a checkpoint file, or a run directory that holds them")
+    # torch.save writes a zip archive: another of a run's files (plan.json, run.log) was taken
+    # for a damaged checkpoint, or for one older than the run's newest
+    if not CHECKPOINT_NAME.fullmatch(path.name) and not zipfile.is_zipfile(path):
+        raise CheckpointError(f"{path} is not a checkpoint written by this trainer: give one of a run's "
+                              "checkpoints/epoch_N.pt, or its folder"
+                              + (f" ({path.parent})" if saved(path.parent / "checkpoints") else ""))
     return path
 
 
