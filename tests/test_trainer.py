@@ -1357,6 +1357,32 @@ def test_bench_sets_our_step_beside_the_plain_loop_and_profiles_both():
         assert table_rows(profiled)["aten::convolution_backward"][0] == "7"  # the fast net's seven convolutions
 
 
+def test_bench_out_appends_the_table_and_one_that_cannot_be_written_keeps_it_in_the_run(tmp_path):
+    """bench.out in a folder that does not exist, or a folder, ended in a traceback after the
+    whole benchmark had run, and its table was lost: refused before any timing. One that
+    cannot be written by then is one line naming bench.md, which holds the table."""
+    fast = ["mode=bench", "bench.steps=1", "bench.warmup=0", "bench.baselines=[]"]
+    for out, said in [(tmp_path / "none" / "x.md", f"its folder {tmp_path / 'none'} does not exist; make it"),
+                      (tmp_path, "is a folder: give a file to append the table to")]:
+        with pytest.raises(ConfigError, match=re.escape(f"bench.out={out}") + ".*" + re.escape(said)):
+            config(*fast, f"bench.out={out}")
+    out = run(tmp_path / "a", *fast, "bench.out=notes.md", cwd=tmp_path)
+    assert out.returncode == 0 and (tmp_path / "notes.md").read_text() == "\n" + (tmp_path / "a" / "bench.md").read_text()
+    (tmp_path / "closed").mkdir(mode=0o555)
+    for folder in (tmp_path / "closed", Path("/sys/kernel")):  # root writes in any folder of a disk; sysfs refuses it
+        try:
+            open(folder / "bench.md", "a").close()
+        except OSError:
+            break
+    else:
+        pytest.skip("this user writes in every folder at hand")
+    out = run(tmp_path / "b", *fast, f"bench.out={folder / 'bench.md'}", cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stdout + out.stderr, out.stdout + out.stderr
+    assert (f"bench.out={folder / 'bench.md'} cannot be written" in out.stdout and
+            f"the table is in {tmp_path / 'b' / 'bench.md'}\n" in out.stdout), out.stdout
+    assert "| ours momentum" in (tmp_path / "b" / "bench.md").read_text()
+
+
 def test_bench_profile_rows_sets_how_many_kernels_a_profile_lists():
     from trainer import bench
     cfg = config("mode=bench", "bench.steps=1", "bench.warmup=0", "bench.profile=1", "bench.profile_rows=2")

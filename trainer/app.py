@@ -156,6 +156,13 @@ def run_bench(cfg: TrainConfig, run_dir: Path):
     if _is_main():
         with writing(run_dir / "bench.md") as f:
             f.write((text + "\n").encode())
+    if _is_main() and cfg.bench.out:
+        try:
+            with open(cfg.bench.out, "a") as f:
+                f.write("\n" + text + "\n")
+        except OSError as e:  # checked before the timing (config.validate); a disk full since
+            raise ConfigError(f"bench.out={cfg.bench.out} cannot be written ({e.strerror}): the table is in "
+                              f"{run_dir / 'bench.md'}") from None
 
 
 MODES = {"plan": run_plan, "train": run_train, "eval": run_eval, "export": run_export, "bench": run_bench}

@@ -13,7 +13,6 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import date
-from pathlib import Path
 
 import torch
 from torch.nn import functional as F
@@ -278,8 +277,4 @@ def run(cfg: TrainConfig, device, optimizers: list[str]) -> str:
         c = copy.deepcopy(cfg)
         c.optimizer.name = name
         results.append(ours(c, device))
-    text = table(cfg, results, device)
-    if cfg.bench.out:
-        with open(Path(cfg.bench.out), "a") as f:
-            f.write("\n" + text + "\n")
-    return text
+    return table(cfg, results, device)

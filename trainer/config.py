@@ -323,7 +323,7 @@ def _dotted(node, prefix: str):
 
 
 # Paths a command line gives: the shell leaves a ~ after key= as it is (not an assignment)
-PATHS = ("data.root", "data.decode_cache", "compile_cache", "checkpoint", "trainer.resume")
+PATHS = ("data.root", "data.decode_cache", "compile_cache", "checkpoint", "trainer.resume", "bench.out")
 
 
 def expand_paths(cfg):
@@ -448,6 +448,13 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for name in cfg.bench.optimizers:
         if name not in OPTIMIZERS:
             raise ConfigError(f"bench.optimizers: {name!r} is not one of {', '.join(OPTIMIZERS)}")
+    if cfg.mode == "bench" and cfg.bench.out:  # before minutes of timing, whose table it would lose
+        out = Path(cfg.bench.out)
+        if out.is_dir():
+            raise ConfigError(f"bench.out={out} is a folder: give a file to append the table to")
+        if not out.parent.is_dir():
+            raise ConfigError(f"bench.out={out}: its folder {out.parent} does not exist; make it, or give a file in "
+                              "a folder that does")
     _validate_compile_options(cfg)
     if cfg.schedule.name == "step" and not cfg.schedule.milestones:
         raise ConfigError("schedule=step needs schedule.milestones, e.g. [30,60,80]")
