@@ -230,6 +230,36 @@ def test_a_class_count_other_than_the_batches_ten_is_refused(batches):
         build_sources(config(batches, num_classes=100), CPU, 0, 1, None)
 
 
+class Runs:
+    """Unpickled, it would run a command: what a pickle that is not a batch may do."""
+    def __reduce__(self):
+        return (shutil.rmtree, ("/nonexistent",))
+
+
+@pytest.mark.parametrize("damage, why", [
+    ("cut short", "UnpicklingError: pickle data was truncated"),
+    ("keys as str", "KeyError: b'data'"),
+    ("64x64 images", r"its data is uint8 of shape \(2, 12288\), not rows of 3x32x32 bytes"),
+    ("a label short", "it has 1 labels for 2 images"),
+    ("label 10", "its labels run from 0 to 10, not 0 to 9"),
+    ("code", "UnpicklingError: it names shutil.rmtree")])
+def test_a_python_batch_that_is_not_one_is_named_with_why(batches, tmp_path, damage, why):
+    """A damaged batch ended in the unpickler's or numpy's traceback; one of 64x64 images
+    trained on each cut in four 32x32 ones, each with another image's label."""
+    root = tmp_path / "cifar-10-batches-py"
+    shutil.copytree(batches / "cifar-10-batches-py", root)
+    rows, labels = np.zeros((2, 3 * 32 * 32), np.uint8), [0, 1]
+    batch = {"cut short": None, "keys as str": {"data": rows, "labels": labels},
+             "64x64 images": {b"data": np.zeros((2, 3 * 64 * 64), np.uint8), b"labels": labels},
+             "a label short": {b"data": rows, b"labels": [0]}, "label 10": {b"data": rows, b"labels": [0, 10]},
+             "code": {b"data": Runs(), b"labels": labels}}[damage]
+    data = pickle.dumps(batch) if batch else (root / "data_batch_3").read_bytes()[:3000]
+    (root / "data_batch_3").write_bytes(data)
+    with pytest.raises(DataError, match=f"^data_batch_3 in {tmp_path} is not a CIFAR-10 python batch \\({why}\\): get "
+                                        "cifar-10-batches-py again, or give the JPEG tree$"):
+        build_sources(config(tmp_path), CPU, 0, 1, None)
+
+
 CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 
 

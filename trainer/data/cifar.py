@@ -7,6 +7,7 @@ data.val_size below the full split takes the same random subset in every run. Wh
 archive decodes to is kept in data.decode_cache, named by the archive's content
 (decoded_cache.py).
 """
+import io
 import pickle
 from pathlib import Path, PurePosixPath
 
@@ -71,11 +72,46 @@ def from_batches(batches: dict[str, bytes], split: str, n: int, asked: int,
         if name not in batches:
             raise DataError(f"missing {name} in {root}: CIFAR-10's python batches are data_batch_1 .. "
                             f"data_batch_5 and test_batch")
-        batch = pickle.loads(batches[name], encoding="bytes")
-        images.append(np.asarray(batch[b"data"], np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
-        labels.append(np.asarray(batch[b"labels"], np.int32))
+        rows, batch_labels = _batch(batches[name], f"{name} in {root}")
+        images.append(rows.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
+        labels.append(batch_labels)
     keep = _keep(sum(map(len, labels)), n, asked, split, root)
     return np.concatenate(images)[keep], np.concatenate(labels)[keep]
+
+
+class _BatchUnpickler(pickle.Unpickler):
+    """A python batch is a pickled dict of bytes, lists and a numpy array: only what that
+    array's reconstruction names is let in, so a file that is something else cannot run
+    code as it loads."""
+    ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+               ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")}
+
+    def find_class(self, module, name):
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"it names {module}.{name}")
+        return super().find_class(module, name)
+
+
+def _batch(data: bytes, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """A batch's rows of 3x32x32 pixels and their labels, checked: a damaged or other file
+    ended in a traceback, and rows of larger images were cut into several 32x32 ones, each
+    with the label of another."""
+    try:
+        batch = _BatchUnpickler(io.BytesIO(data), encoding="bytes").load()
+        rows, labels = np.asarray(batch[b"data"]), np.asarray(batch[b"labels"])
+    except Exception as e:  # noqa: BLE001 - whatever a damaged pickle raises, one message
+        why = f"{type(e).__name__}: {e}"
+    else:
+        if rows.dtype != np.uint8 or rows.ndim != 2 or rows.shape[1] != 3 * 32 * 32:
+            why = f"its data is {rows.dtype} of shape {rows.shape}, not rows of 3x32x32 bytes"
+        elif labels.shape != (len(rows),) or not np.issubdtype(labels.dtype, np.integer):
+            why = f"it has {labels.size} labels for {len(rows)} images"
+        elif len(labels) and not 0 <= labels.min() <= labels.max() < BATCH_CLASSES:
+            why = f"its labels run from {labels.min()} to {labels.max()}, not 0 to {BATCH_CLASSES - 1}"
+        else:
+            return rows, labels.astype(np.int32)
+    raise DataError(f"{where} is not a CIFAR-10 python batch ({why}): get cifar-10-batches-py again, or give the "
+                    "JPEG tree")
 
 
 def jpeg_list(root: Path, split: str, members: dict[str, bytes] | None):
