@@ -82,8 +82,8 @@ class ScheduleConfig:
 @dataclass
 class DataConfig:
     name: str = "synthetic"  # synthetic | cifar10 | imagefolder
-    # a folder with train/ and val/ (or test/) of class folders of .jpg/.jpeg/.png images (their
-    # subfolders are not read); cifar10 also reads it as a .tgz/.tar, and CIFAR's python batches
+    # a folder with train/ and val/ of class folders of .jpg/.jpeg/.png images (their subfolders
+    # are not read); cifar10 takes test/ for val/, reads it as a .tgz/.tar too, and CIFAR's python batches
     root: str = ""
     num_classes: int = 10
     resolution: int = 32  # training crop and evaluation size
