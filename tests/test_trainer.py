@@ -1018,7 +1018,7 @@ def test_paths_given_with_interpolations_are_left_to_resolve():
 
     from trainer.config import expand_paths
     cfg = OmegaConf.create({"data": {"root": "${hydra:runtime.cwd}/data", "decode_cache": "~/cache"},
-                            "compile_cache": "", "checkpoint": "", "trainer": {"resume": "~/run"}})
+                            "compile_cache": "", "checkpoint": "", "trainer": {"resume": "~/run"}, "bench": {"out": ""}})
     expand_paths(cfg)
     assert OmegaConf.is_interpolation(cfg.data, "root")
     assert (cfg.data.decode_cache, cfg.trainer.resume) == (os.path.expanduser("~/cache"), os.path.expanduser("~/run"))
