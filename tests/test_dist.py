@@ -514,6 +514,15 @@ def test_a_rank_with_another_plan_is_refused_and_each_rank_logs_why(tmp_path):
     assert "INFO" not in (tmp_path / "run_rank1.log").read_text()
 
 
+def test_a_set_up_that_fails_on_one_rank_is_named_on_rank_0(tmp_path):
+    """One node without the data set: rank 0 ended in gloo's traceback from the first
+    collective, and its run.log did not say why."""
+    launch(tmp_path, "device=cpu", env={"TEST_RANK1_ARGS": "data=cifar10 data.root=/nonexistent/cifar"}, restarts=0)
+    log = (tmp_path / "run.log").read_text()
+    assert "the set-up failed on rank 1: run_rank1.log in the run's folder says why" in log and "Traceback" not in log
+    assert "missing data.root /nonexistent/cifar" in (tmp_path / "run_rank1.log").read_text()
+
+
 def test_a_failed_evaluation_on_one_rank_saves_the_epoch_it_followed_on_every_rank(tmp_path):
     """Rank 1's share of the evaluation set fails (a damaged image): rank 0 waited for it in
     the evaluation's sums, and the epoch just trained was not saved, so a resume trained it

@@ -1467,6 +1467,16 @@ def test_inputs_the_model_cannot_train_on_are_refused_before_set_up(tmp_path, ov
         Trainer(config(*TINY, *overrides), tmp_path, Dist())
 
 
+def test_more_ranks_than_training_examples_are_refused_whatever_the_batch():
+    """A rank with no example: the batch size was blamed (lowering it did not help), and
+    with drop_last off each rank ended in numpy's traceback, or mode=plan planned the job."""
+    from trainer.setup import make_plans
+    for drop_last in ("true", "false"):
+        with pytest.raises(ConfigError, match="^the 256 training examples are fewer than the job's 300 ranks: raise "
+                                              "data.train_size, or start fewer processes$"):
+            make_plans(config("data.train_size=256", "trainer.batch_size=2", f"trainer.drop_last={drop_last}"), 300)
+
+
 def test_the_check_of_the_inputs_leaves_the_model_as_it_was():
     """The check runs the model itself, in eval mode: afterwards it trains as before, with no
     hook left on its BatchNorms and their statistics as they were."""

@@ -52,27 +52,13 @@ class Trainer:
                         "fp32 (the CIFAR recipe's net: 50 against 890 img/s); amp_dtype=bf16 is faster than fp32")
         torch.manual_seed(t.seed)
 
-        # The data loads in a thread beside the model, its plan and the compiler's import:
-        # decoding runs in DALI's threads, outside the GIL, and in a fresh process the two
-        # took 5-6 s each, one after the other. Imports stay on this thread (the data set's
-        # module, DALI, the input kernel's module): two threads importing one module at once
-        # may see it half initialized.
-        source_module(cfg.data)
-        forget_listings()
-        kernels.load("auto", self.device)
-        with ThreadPoolExecutor(1) as pool:
-            data = pool.submit(self._load_data, cfg, not evaluate_only)
-            if cfg.compile:  # inductor's import, otherwise paid at the first compilation
-                importlib.import_module("torch._inductor.compile_fx")
-            init, sizes = None, None
-            if evaluate_only:  # the checkpoint's weights replace the initial ones; one training batch is planned
-                sizes = (t.batch_size * dist.world, dataset_sizes(cfg.data, read_train=False)[1])
-            elif t.first_conv_init == "whiten":
-                init = lambda model: whiten_first_conv(first_conv(model), data.result()[0].peek(5000))
-            self.engine = e = assemble(cfg, self.device, dist.world, init, grad_sync_factory=dist.grad_sync_factory,
-                                       sizes=sizes)
-            model_and_plan = self.clock()  # its own time: the data may still be loading
-            self.train_source, self.val_source = data.result()
+        failure = None
+        try:
+            model_and_plan = self._assemble(cfg, evaluate_only)
+        except Exception as error:  # noqa: BLE001 - one rank's alone (its copy of the data set): every rank
+            failure = error  # learns of it before the first collective, where the others failed in gloo's error
+        dist.raise_failures(failure, "set-up")
+        e = self.engine
         dist.prepare(e)
         self.model, self.plans, self.arena, self.ops, self.executor = e.model, e.plans, e.arena, e.ops, e.executor
         self.per_epoch = e.per_epoch
@@ -127,6 +113,32 @@ class Trainer:
                             "warm_up_compile_capture": round(self.setup_s - ready, 3)}
         log.info("set-up %.1f s: data %.1f s beside model and plan %.1f s, then warm-up, compilation and capture "
                  "%.1f s", self.setup_s, *self.setup_parts.values())
+
+    def _assemble(self, cfg: TrainConfig, evaluate_only: bool) -> float:
+        """The engine (model, plan, arena, graphs) and the data sources; the engine's own time."""
+        t, dist = cfg.trainer, self.dist
+        # The data loads in a thread beside the model, its plan and the compiler's import:
+        # decoding runs in DALI's threads, outside the GIL, and in a fresh process the two
+        # took 5-6 s each, one after the other. Imports stay on this thread (the data set's
+        # module, DALI, the input kernel's module): two threads importing one module at once
+        # may see it half initialized.
+        source_module(cfg.data)
+        forget_listings()
+        kernels.load("auto", self.device)
+        with ThreadPoolExecutor(1) as pool:
+            data = pool.submit(self._load_data, cfg, not evaluate_only)
+            if cfg.compile:  # inductor's import, otherwise paid at the first compilation
+                importlib.import_module("torch._inductor.compile_fx")
+            init, sizes = None, None
+            if evaluate_only:  # the checkpoint's weights replace the initial ones; one training batch is planned
+                sizes = (t.batch_size * dist.world, dataset_sizes(cfg.data, read_train=False)[1])
+            elif t.first_conv_init == "whiten":
+                init = lambda model: whiten_first_conv(first_conv(model), data.result()[0].peek(5000))
+            self.engine = assemble(cfg, self.device, dist.world, init, grad_sync_factory=dist.grad_sync_factory,
+                                   sizes=sizes)
+            model_and_plan = self.clock()  # its own time: the data may still be loading
+            self.train_source, self.val_source = data.result()
+        return model_and_plan
 
     def _load_data(self, cfg: TrainConfig, read_train: bool):
         if self.device.type == "cuda":

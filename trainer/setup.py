@@ -70,6 +70,9 @@ def make_variants(cfg: TrainConfig, world: int = 1, sizes: tuple[int, int] | Non
     train_size, val_size = sizes or dataset_sizes(cfg.data)
     t = cfg.trainer
     per_rank_train, per_rank_val = train_size // world, -(-val_size // world)
+    if per_rank_train == 0:  # whatever the batch size: a rank with no examples has no batch to train on
+        raise ConfigError(f"the {train_size} training examples are fewer than the job's {world} ranks: raise "
+                          "data.train_size, or start fewer processes")
     if per_rank_train < t.batch_size and t.drop_last:
         raise ConfigError(f"trainer.batch_size={t.batch_size} is larger than the {per_rank_train} training "
                           f"examples per rank; lower it or set trainer.drop_last=false")
