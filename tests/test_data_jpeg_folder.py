@@ -140,9 +140,18 @@ def test_a_file_name_that_is_not_utf8_is_read(tree):
         build_sources(config(tree, batch=16), CPU, 0, 1, None)
 
 
-def test_class_count_must_match(tree):
-    with pytest.raises(DataError, match=r"has 3 class folders \(apple, mango, zebra\) but data.num_classes=1000; set data.num_classes=3"):
+def test_class_count_must_match(tree, tmp_path):
+    """The count may be a checkpoint's, which the run cannot change: the data set then must."""
+    with pytest.raises(DataError, match=r"has 3 class folders \(apple, mango, zebra\) but data.num_classes=1000: set "
+                                        r"data.num_classes=3, or, to resume or evaluate a model of 1000 classes, give "
+                                        r"data.root a data set of 1000$"):
         build_sources(config(tree, num_classes=1000), CPU, 0, 1, None)
+    one = tmp_path / "one"  # data.num_classes=1 is refused: "set data.num_classes=1" led there
+    for split in ("train", "val"):
+        shutil.copytree(tree / split / "apple", one / split / "apple")
+    with pytest.raises(DataError, match=f"^{one / 'train'} has one class folder \\(apple\\): a classifier needs 2 "
+                                        "classes at least; add the folders of the others$"):
+        build_sources(config(one, num_classes=2), CPU, 0, 1, None)
 
 
 def test_val_must_have_the_training_classes(tree):
@@ -208,7 +217,8 @@ def test_empty_class_folder(tree):
     for f in (tree / "val" / "mango").iterdir():
         f.unlink()
     with pytest.raises(DataError, match=f"empty class folder {tree / 'val' / 'mango'}: it holds no .jpg/.jpeg/.png "
-                                        f"file; add its images or remove the folder$"):
+                                        f"file; add its images, or remove the class's folder from every split "
+                                        f"\\(they need the same ones\\)$"):
         build_sources(config(tree), CPU, 0, 1, None)
 
 

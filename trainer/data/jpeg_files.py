@@ -83,7 +83,7 @@ def _list_files(folder: Path, classes: list[str]) -> tuple[list[str], np.ndarray
             found = f" but {', '.join(held[:4])}{' ...' if len(held) > 4 else ''}" if held else ""
             subfolders = " (images in its subfolders are not read)" if any(h.endswith("/") for h in held) else ""
             raise DataError(f"empty class folder {printable(folder / name)}: it holds no .jpg/.jpeg/.png file{found}{subfolders}; "
-                            f"add its images or remove the folder")
+                            f"add its images, or remove the class's folder from every split (they need the same ones)")
         files += [str(folder / name / f) for f in jpegs]
         labels += [k] * len(jpegs)
     return files, np.array(labels, np.int32)
@@ -93,9 +93,13 @@ def same_classes(train: str, classes: list[str], val: str, val_classes: list[str
     """A label is its class folder's place in sorted order: the evaluation split needs the
     training split's folders (test/car for train/automobile would give it and those after
     it another class's label), and data.num_classes of them."""
-    if len(classes) != num_classes:
+    if len(classes) < 2:  # data.num_classes=1 is refused: one class leaves nothing to classify
+        raise DataError(f"{train} has one class folder ({classes[0]}): a classifier needs 2 classes at least; add the "
+                        "folders of the others")
+    if len(classes) != num_classes:  # num_classes may be a checkpoint's: its model's
         raise DataError(f"{train} has {len(classes)} class folders ({', '.join(classes[:12])}) but data.num_classes="
-                        f"{num_classes}; set data.num_classes={len(classes)}")
+                        f"{num_classes}: set data.num_classes={len(classes)}, or, to resume or evaluate a model of "
+                        f"{num_classes} classes, give data.root a data set of {num_classes}")
     if val_classes != classes:
         differ = sorted(set(classes) ^ set(val_classes))
         raise DataError(f"{val} and {train} differ in their class folders ({', '.join(differ[:8])}): both need the "
