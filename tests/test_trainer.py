@@ -1143,12 +1143,19 @@ def test_eval_mode_reproduces_the_final_evaluation(tmp_path):
 
 def test_a_path_given_with_a_tilde_is_under_the_home_folder(tmp_path):
     """Hydra's grammar takes a ~ in quotes (checkpoint='~/run'), and the shell leaves it as it
-    is: the trainer expands it."""
+    is: the trainer expands it, in the run's folder too, where Hydra made a folder named ~
+    in the current one. Unquoted, it is one line saying to quote it."""
     train(tmp_path / "run", "trainer.epochs=1")
-    out = run(tmp_path / "eval", "mode=eval", *TINY, "checkpoint='~/run'", cwd=tmp_path, env={"HOME": str(tmp_path)})
+    home = {"HOME": str(tmp_path)}
+    out = run_py(["mode=eval", *TINY, "checkpoint='~/run'", "hydra.run.dir='~/eval'"], tmp_path / "run", home)
     assert out.returncode == 0, out.stdout + out.stderr
     assert json.loads((tmp_path / "eval" / "summary.json").read_text())["checkpoint"] == \
         str(tmp_path / "run" / "checkpoints" / "epoch_0001.pt")
+    assert not (tmp_path / "run" / "~").exists()
+    out = run_py(["mode=plan", "hydra.run.dir=~/plan"], tmp_path, home)
+    assert (out.returncode, out.stderr) == (2, "hydra.run.dir=~/plan: Hydra's grammar cannot read this override; a "
+                                               "value with characters such as ~ or spaces goes in quotes: "
+                                               "hydra.run.dir='~/plan' (the shell's own quotes around it as well)\n")
 
 
 def test_relative_paths_are_kept_absolute_so_a_resume_elsewhere_reads_the_same_files(tmp_path, monkeypatch):

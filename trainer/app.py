@@ -206,6 +206,7 @@ class RunDirectory(Callback):
     @_stops_the_run
     def on_run_start(self, config: DictConfig, **kwargs):
         expand_paths(config)
+        _expand_home(config, "run")
         read = config.trainer.resume if config.mode == "train" else config.checkpoint or config.trainer.resume
         if read and config.mode in ("train", "eval", "export") and not restarted():  # a restart takes the folder's
             find_checkpoint(read)  # before Hydra makes a folder for a run that cannot start
@@ -222,6 +223,7 @@ class RunDirectory(Callback):
 
     @_stops_the_run
     def on_multirun_start(self, config: DictConfig, **kwargs):
+        _expand_home(config, "sweep")
         if "hydra.sweep.dir" not in given(config.hydra.overrides.hydra):
             _validate_jobs(config)
             _new_folder(config, "sweep")
@@ -342,6 +344,14 @@ def _continue_in_its_folder(config: DictConfig) -> bool:
                        if p.name.rpartition("_")[2].isdigit()]
             config.hydra.output_subdir = f"{config.hydra.output_subdir}/resumed_{max(numbers, default=0) + 1}"
     return moved
+
+
+def _expand_home(config: DictConfig, kind: str):
+    """~ in hydra.run.dir (hydra.sweep.dir) as the other paths take it, the home folder: Hydra
+    made a folder named ~ in the current one, which a later rm -rf ~... would take for home."""
+    if str(config.hydra[kind].dir).startswith("~"):
+        with open_dict(config):
+            config.hydra[kind].dir = os.path.expanduser(config.hydra[kind].dir)
 
 
 def _new_folder(config: DictConfig, kind: str):

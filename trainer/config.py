@@ -485,8 +485,8 @@ def refused_override(overrides: list[str]) -> str | None:
     configuration does not have (Hydra's message advises +key=value, which the schema then
     refuses as well), a group option that conf/ does not have (where the command line names
     no other folder of configs), or a value of the wrong type for its key (Hydra's messages
-    take five to fifteen lines for these); None where there is none. Overrides Hydra cannot
-    parse are left to Hydra's message."""
+    take five to fifteen lines for these), or one Hydra's grammar cannot read (its message
+    ends in advice on tracebacks, exit 1); None where there is none."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
     parser, known, schema = OverridesParser.create(), set(options(TrainConfig())), None
@@ -496,8 +496,13 @@ def refused_override(overrides: list[str]) -> str | None:
     for text in overrides:
         try:
             (override,) = parser.parse_overrides([text])
-        except HydraException:  # not an override ("-m", a flag's value), or one Hydra will name
-            continue
+        except HydraException:
+            if "=" not in text or text.startswith("-"):  # not an override: "-m", a flag's value
+                continue
+            key, _, value = text.partition("=")
+            quote = '"' if "'" in value else "'"
+            return (f"{text}: Hydra's grammar cannot read this override; a value with characters such as ~ or spaces "
+                    f"goes in quotes: {key}={quote}{value}{quote} (the shell's own quotes around it as well)")
         key = override.key_or_group
         if override.package is not None or override.is_delete() or override.is_hydra_override() \
                 or key.startswith("compile_options."):
