@@ -436,6 +436,10 @@ def test_a_new_run_in_another_runs_folder_is_refused_and_leaves_it_as_it_was(tmp
     (tmp_path / "b" / "metrics.jsonl").write_text("")  # a run that has saved no checkpoint yet
     with pytest.raises(ConfigError, match="holds another run's results"):
         Trainer(config(*TINY, "trainer.epochs=1"), tmp_path / "b", Dist())
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "curves.png").write_text("a plot of one's own, which the run's would replace")
+    with pytest.raises(ConfigError, match=r"holds another run's results \(curves.png\)"):
+        Trainer(config(*TINY, "trainer.epochs=1"), tmp_path / "c", Dist())
     assert {p: p.read_bytes() for p in (tmp_path / "a").rglob("*") if p.is_file()} == before
 
 
@@ -1472,6 +1476,13 @@ def test_inputs_the_model_cannot_train_on_are_refused_before_set_up(tmp_path, ov
     from trainer.loop import Trainer
     with pytest.raises(ConfigError, match=message):
         Trainer(config(*TINY, *overrides), tmp_path, Dist())
+
+
+def test_a_data_set_without_its_root_names_what_to_give():
+    """data=imagefolder offered an archive, which it then refused as a file."""
+    for name, held in (("cifar10", "a folder or .tgz of the data set"), ("imagefolder", "a folder of train/ and val/")):
+        with pytest.raises(ConfigError, match=f"^data={name} needs data.root=PATH \\({held}\\)$"):
+            config(f"data={name}")
 
 
 def test_more_ranks_than_training_examples_are_refused_whatever_the_batch():

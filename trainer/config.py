@@ -438,7 +438,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError("optimizer=muon with optimizer.lr=0: lr is the schedule's peak, which Muon's step "
                           "follows too (optimizer.muon_lr at the peak); set a positive lr")
     if cfg.data.name != "synthetic" and not cfg.data.root and cfg.mode not in ("plan", "bench"):
-        raise ConfigError(f"data={cfg.data.name} needs data.root=PATH (a folder or archive of the data set)")
+        held = "a folder or .tgz of the data set" if cfg.data.name == "cifar10" else "a folder of train/ and val/"
+        raise ConfigError(f"data={cfg.data.name} needs data.root=PATH ({held})")
     if cfg.data.name == "synthetic" and cfg.data.root:  # else the run would train on the embedded set, not on root
         raise ConfigError(f"data.root={cfg.data.root} with data=synthetic, which generates its images and reads no "
                           "files: add data=cifar10 or data=imagefolder to train on it, or drop data.root")

@@ -17,9 +17,9 @@ from omegaconf import ListConfig, OmegaConf
 from trainer.errors import CheckpointError, WriteError
 
 RECORDS = "metrics.jsonl"
-# what a run of each mode writes beside its log and .hydra/: training (metrics, plan, summary),
-# evaluation (summary), export (weights), plan and bench
-RESULTS = (RECORDS, "summary.json", "plan.json", "model_state_dict.pt", "bench.md")
+# what a run of each mode writes beside its log and .hydra/: training (metrics, plan, summary,
+# curves), evaluation (summary), export (weights), plan and bench
+RESULTS = (RECORDS, "summary.json", "plan.json", "curves.png", "model_state_dict.pt", "bench.md")
 CHECKPOINT_NAME = re.compile(r"epoch_(\d+)\.pt")
 
 
