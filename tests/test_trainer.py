@@ -1158,8 +1158,8 @@ def test_a_path_given_with_a_tilde_is_under_the_home_folder(tmp_path):
     assert not (tmp_path / "run" / "~").exists()
     out = run_py(["mode=plan", "hydra.run.dir=~/plan"], tmp_path, home)
     assert (out.returncode, out.stderr) == (2, "hydra.run.dir=~/plan: Hydra's grammar cannot read this override; a "
-                                               "value with other characters than letters, digits and / . - _ goes in "
-                                               "quotes: hydra.run.dir='~/plan' (inside the shell's own quotes)\n")
+                                               "value with other characters than ASCII letters, digits and / . - _ goes "
+                                               "in quotes: hydra.run.dir='~/plan' (inside the shell's own quotes)\n")
 
 
 def test_relative_paths_are_kept_absolute_so_a_resume_elsewhere_reads_the_same_files(tmp_path, monkeypatch):

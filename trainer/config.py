@@ -502,7 +502,7 @@ def refused_override(overrides: list[str]) -> str | None:
                 continue
             key, _, value = text.partition("=")
             quote = '"' if "'" in value else "'"
-            return (f"{text}: Hydra's grammar cannot read this override; a value with other characters than letters, "
+            return (f"{text}: Hydra's grammar cannot read this override; a value with other characters than ASCII letters, "
                     f"digits and / . - _ goes in quotes: {key}={quote}{value}{quote} (inside the shell's own quotes)")
         key = override.key_or_group
         if override.package is not None or override.is_delete() or override.is_hydra_override() \
