@@ -288,6 +288,30 @@ def test_a_checkpoint_that_cannot_be_written_stops_the_run_and_keeps_the_earlier
     assert train(tmp_path / "b", "trainer.epochs=3", f"trainer.resume={folder}").history[-1]["epoch"] == 3
 
 
+def test_ctrl_c_as_a_checkpoint_is_written_stops_the_run_and_leaves_no_part_of_it(tmp_path, monkeypatch):
+    """Ctrl-C (or SIGTERM) part way through a write: torch's zip writer, closing, raised "unexpected
+    pos" over the interruption, and the run ended in that traceback with exit 1 instead of
+    saying where to continue from."""
+    import io
+
+    from trainer import run_dir
+
+    class Interrupted(io.FileIO):
+        writes = 0
+
+        def write(self, data):
+            self.writes += 1
+            if self.writes == 5:
+                super().write(bytes(data)[:len(data) // 2])
+                raise KeyboardInterrupt
+            return super().write(data)
+    monkeypatch.setattr(run_dir, "open", Interrupted, raising=False)
+    with pytest.raises(KeyboardInterrupt):
+        with run_dir.writing(tmp_path / "epoch_0002.pt") as f:
+            torch.save({"weights": torch.zeros(100_000), "moments": torch.ones(1000)}, f)
+    assert list(tmp_path.iterdir()) == []
+
+
 def files_up_to(nbytes: int):
     """In the child: a file it writes cannot grow past nbytes, so the write fails as on a full
     disk (with EFBIG, "File too large": Python ignores the SIGXFSZ that comes with it)."""

@@ -89,6 +89,8 @@ def writing(path: Path, advice: str = ""):
             os.fsync(f.fileno())  # on disk before the rename is: after a power loss, the old file or the new
     except (OSError, RuntimeError) as e:
         failed = e if isinstance(e, OSError) else e.__context__
+        if isinstance(failed, BaseException) and not isinstance(failed, Exception):
+            raise failed from None  # Ctrl-C or SIGTERM mid-write, over which torch's writer, closing, raised its own
         if not isinstance(failed, OSError):
             raise
         raise WriteError(f"cannot write {path} ({failed.strerror or failed}){advice}") from None
