@@ -12,6 +12,7 @@ try:  # Ctrl-C while the imports load (a second or more) ends as it does once th
 
     from trainer import app, dist
     from trainer.config import refused_override, register
+    from trainer.errors import ConfigError
 except KeyboardInterrupt:
     raise interrupted() from None
 
@@ -25,7 +26,11 @@ def main(cfg):
 
 
 if __name__ == "__main__":
-    sys.argv += dist.launch_overrides(sys.argv[1:])  # under torchrun: one run directory for the job
+    try:
+        sys.argv += dist.launch_overrides(sys.argv[1:])  # under torchrun: one run directory for the job
+    except ConfigError as e:  # torchrun's variables, set by hand and wrong
+        print(e, file=sys.stderr)
+        raise SystemExit(2) from None
     refused = refused_override(sys.argv[1:])
     if refused:  # in one line, before Hydra
         print(refused, file=sys.stderr)

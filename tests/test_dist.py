@@ -80,6 +80,29 @@ def test_torchrun_ranks_share_one_run_directory_and_rank_0_its_log():
         dist.launch_overrides([], {**static, "WORLD_SIZE": "16"})
 
 
+def test_torchrun_variables_outside_a_launched_job_leave_a_single_process(tmp_path):
+    """WORLD_SIZE=2 left in a shell trained one process on half the data, RANK=1 on none
+    (DALI's traceback), and malformed values ended in int()'s."""
+    from tests.helpers import run_py
+    from trainer.errors import ConfigError
+    from trainer.run_dir import ranks
+    for env in ({}, {"WORLD_SIZE": "2"}, {"RANK": "1", "LOCAL_RANK": "x"}, {"TORCHELASTIC_RESTART_COUNT": "x"}):
+        assert ranks(env) == (0, 1, 0)
+    assert ranks({**TORCHRUN, "RANK": "1", "LOCAL_RANK": "1"}) == (1, 2, 1)
+    for wrong, key in (({"RANK": "x"}, "RANK='x'"), ({}, "RANK=''"), ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE='0'")):
+        with pytest.raises(ConfigError, match=f"^{key} in the environment, with WORLD_SIZE and MASTER_ADDR there: "
+                                              "torchrun sets them; start the job with torchrun, or unset them"):
+            ranks({**TORCHRUN, **wrong})
+    stray = {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_WORLD_SIZE": "0", "TORCHELASTIC_RESTART_COUNT": "x"}
+    out = run_py([f"hydra.run.dir={tmp_path / 'run'}", "trainer.epochs=1", "data.train_size=256", "data.val_size=64",
+                  "trainer.batch_size=32"], tmp_path, stray)
+    assert out.returncode == 0, out.stdout + out.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (summary["world_size"], summary["steps"]) == (1, 8)
+    out = run_py(["mode=plan"], tmp_path, {**TORCHRUN, "RANK": "x"})
+    assert (out.returncode, out.stderr.splitlines()[0][:9]) == (2, "RANK='x' "), out.stderr
+
+
 def test_a_torchrun_job_that_resumes_a_run_goes_on_in_its_folder(tmp_path, monkeypatch):
     """As a single process does; a checkpoint outside any run's folder starts the job's own."""
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)

@@ -26,8 +26,8 @@ from omegaconf.errors import OmegaConfBaseException
 from trainer.config import (CHECKPOINT_OPTIONS, RUN_OPTIONS, TrainConfig, chosen_keys, expand_paths, first_line,
                             given_changes, given_options, recorded, take_options, validate)
 from trainer.errors import CheckpointError, ConfigError, TrainerError, WriteError
-from trainer.run_dir import (PARTS, continue_with, find_checkpoint, given, other_run, override, restart_checkpoint,
-                             restarted, resumed_folder, saved, writing)
+from trainer.run_dir import (PARTS, continue_with, find_checkpoint, given, other_run, override, ranks,
+                             restart_checkpoint, restarted, resumed_folder, saved, writing)
 
 log = logging.getLogger("trainer")
 
@@ -401,7 +401,7 @@ def _hold(folder: str):
 
 def _is_main() -> bool:
     """Rank 0 of a torchrun job (RANK; no torch in the callback), or a single process."""
-    return int(os.environ.get("RANK", 0)) == 0
+    return ranks()[0] == 0
 
 
 def _refuse_another_runs(folder: Path, config: DictConfig):

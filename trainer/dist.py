@@ -21,7 +21,7 @@ from trainer.arena import Arena
 from trainer.collectives import Comm, GradSync, ShardedUpdate, all_gather
 from trainer.errors import ConfigError, PlanError, TrainerError
 from trainer.regions import Region as R
-from trainer.run_dir import agent_started_at, given, override, resumed_folder
+from trainer.run_dir import agent_started_at, given, launched, override, ranks, resumed_folder
 
 
 @dataclass
@@ -126,13 +126,7 @@ class Dist:
 
 def from_env() -> Dist:
     """torchrun's RANK / WORLD_SIZE / LOCAL_RANK, or a single process."""
-    return Dist(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
-                int(os.environ.get("LOCAL_RANK", 0)))
-
-
-def launched(env=os.environ) -> bool:
-    """Started by torchrun (or another launcher that sets the env:// rendezvous)."""
-    return "WORLD_SIZE" in env and "MASTER_ADDR" in env
+    return Dist(*ranks())
 
 
 def start(cfg) -> Dist:
@@ -194,7 +188,7 @@ def launch_overrides(argv: list[str], env=os.environ) -> list[str]:
         resume = os.path.expanduser(args.get("trainer.resume", "").strip("'\""))  # as Hydra and the config read it
         folder = resumed_folder(resume) if resume else None
         out.append(override("hydra.run.dir", folder or f"outputs/torchrun/{job_id(env)}", shell=False))
-    rank = int(env["RANK"])
+    rank = ranks(env)[0]
     if rank:  # rank 0 keeps run.log and .hydra/; the others log their warnings and errors
         out += [f"hydra.job.name=run_rank{rank}", "hydra.output_subdir=null", "hydra.job_logging.root.level=WARNING"]
     return out

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from omegaconf import ListConfig, OmegaConf
 
-from trainer.errors import CheckpointError, WriteError
+from trainer.errors import CheckpointError, ConfigError, WriteError
 
 RECORDS = "metrics.jsonl"
 # what a run of each mode writes beside its log and .hydra/: training (metrics, plan, summary,
@@ -110,7 +110,29 @@ def agent_started_at() -> float | None:
 
 def restarted() -> bool:
     """Whether torchrun restarted the job (TORCHELASTIC_RESTART_COUNT > 0)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+    count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return launched() and count.isdigit() and int(count) > 0
+
+
+def launched(env=os.environ) -> bool:
+    """Started by torchrun (or another launcher that sets the env:// rendezvous)."""
+    return "WORLD_SIZE" in env and "MASTER_ADDR" in env
+
+
+def ranks(env=os.environ) -> tuple[int, int, int]:
+    """(RANK, WORLD_SIZE, LOCAL_RANK) of a launched process, (0, 1, 0) of any other whatever
+    its environment holds: a stray WORLD_SIZE=2 trained a single process on half the data,
+    and RANK=1 on none."""
+    if not launched(env):
+        return 0, 1, 0
+    values = []
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        text = env.get(key, "0" if key == "LOCAL_RANK" else "")
+        if not text.isdigit() or (key == "WORLD_SIZE" and int(text) == 0):
+            raise ConfigError(f"{key}={text!r} in the environment, with WORLD_SIZE and MASTER_ADDR there: torchrun "
+                              f"sets them; start the job with torchrun, or unset them for a single process")
+        values.append(int(text))
+    return tuple(values)
 
 
 def _this_jobs(path: Path) -> bool:

@@ -15,6 +15,7 @@ from trainer.config import DataConfig, TrainConfig, TrainerConfig
 from trainer.data.jpeg_files import find_split, list_split
 from trainer.data.source import Shard, Source
 from trainer.errors import ConfigError
+from trainer.run_dir import launched
 
 _FULL_SIZE = {"cifar10": (50000, 10000)}
 _SYNTHETIC_DEFAULT = (4096, 1024)
@@ -56,7 +57,8 @@ def build_sources(cfg: TrainConfig, device: torch.device, rank: int, world: int,
     and give None for it."""
     d, t = cfg.data, cfg.trainer
     if not d.threads:  # JPEG decoding is CPU-bound in part (Huffman decoding): use the cores
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        local = os.environ.get("LOCAL_WORLD_SIZE", "1") if launched() else "1"  # torchrun's processes on this node
+        local = int(local) if local.isdigit() and int(local) > 0 else 1
         d = dataclasses.replace(d, threads=max(1, (os.cpu_count() or 1) // local))
     train_size, val_size = dataset_sizes(d, read_train)
     train = Shard(train_size, t.batch_size, rank, world, train=True, drop_last=t.drop_last)
