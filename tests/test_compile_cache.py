@@ -89,6 +89,10 @@ def test_compile_cache_without_compile_or_where_no_folder_can_be_is_refused(tmp_
         compose_config(["compile=true", f"compile_cache={tmp_path / 'file' / 'cache'}"])
     compose_config(["compile=true", f"compile_cache={tmp_path / 'new' / 'cache'}"])
     assert (tmp_path / "new" / "cache").is_dir()
+    (tmp_path / "new" / "cache" / "triton").write_text("")  # failed at the first compile, after set-up
+    with pytest.raises(ConfigError, match=f"^compile_cache={tmp_path / 'new' / 'cache'} holds a file named triton, "
+                                          "where the triton cache goes; move it, or give another folder$"):
+        compose_config(["compile=true", f"compile_cache={tmp_path / 'new' / 'cache'}"])
 
 
 def test_triton_assembles_with_the_ptxas_torch_ships(tmp_path, monkeypatch):

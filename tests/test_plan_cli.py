@@ -58,6 +58,10 @@ BAD = {
                                                    "(trainer/config.py lists every one); did you mean trainer.epochs?", True),
     "unknown-key": (["trainer.zzzz=3"], "trainer.zzzz: the configuration has no such key (trainer/config.py lists "
                                         "every one); check its spelling", True),
+    # Hydra's seven lines on a key "not in struct", exit 1
+    "compile-option-without-plus": (["compile=true", "compile_options.max_autotune=true"],
+                                    "compile_options.max_autotune=true: compile_options starts empty, and takes an "
+                                    "inductor option given with a + in front (+compile_options.max_autotune=true)", True),
     # an interpolation that resolves to nothing ended in OmegaConf's traceback
     "interpolation-of-nothing": (["trainer.epochs=${data.foo}"], "trainer.epochs: Interpolation key 'data.foo' not "
                                                                  "found", True),
@@ -292,7 +296,7 @@ def test_no_group_file_sets_what_its_choice_does_not_read(group):
 
 @pytest.mark.parametrize("override", ["schedule.milestones.1=50", "model.widths.0=16", "+experiment=cifar10_speed",
                                       "~ema", "++trainer.epochs=3", "model@other=resnet50", "hydra/launcher=basic",
-                                      "--config-name=train", "-m", "compile_options.mode=max-autotune", "data=cifar10",
+                                      "--config-name=train", "-m", "+compile_options.mode=max-autotune", "data=cifar10",
                                       "bench.baselines=[eager_bf16]", "hydra.run.dir=x", "trainer.epochs=3",
                                       "model=resnet50.yaml"])
 def test_overrides_of_keys_the_configuration_has_pass_to_hydra(override):

@@ -505,6 +505,10 @@ def refused_override(overrides: list[str]) -> str | None:
             return (f"{text}: Hydra's grammar cannot read this override; a value with other characters than ASCII letters, "
                     f"digits and / . - _ goes in quotes: {key}={quote}{value}{quote} (inside the shell's own quotes)")
         key = override.key_or_group
+        if key.startswith("compile_options.") and not (override.is_add() or override.is_force_add()
+                                                       or override.is_delete() or elsewhere):
+            return (f"{text}: compile_options starts empty, and takes an inductor option given with a + in front "
+                    f"(+{text})")
         if override.package is not None or override.is_delete() or override.is_hydra_override() \
                 or key.startswith("compile_options."):
             continue
@@ -601,6 +605,10 @@ def _validate_compile_options(cfg: TrainConfig):
                               f"this process can write") from None
         if not os.access(folder, os.W_OK | os.X_OK):
             raise ConfigError(f"compile_cache={folder}: this process cannot write there; give a folder it can write")
+        for part in ("inductor", "triton"):  # the compilers' own folders in it (compile_cache.use_compile_cache)
+            if (folder / part).exists() and not (folder / part).is_dir():
+                raise ConfigError(f"compile_cache={folder} holds a file named {part}, where the {part} cache goes; "
+                                  "move it, or give another folder")
     given = _given_options(cfg)
     if not given:  # inductor's import takes a second or two of every start-up; only its settings need it
         return
