@@ -47,6 +47,14 @@ def command(run_dir: Path, *args, multirun=False) -> list[str]:
     return [sys.executable, str(ROOT / "run.py"), *arguments(run_dir, *args, multirun=multirun)]
 
 
+def as_torchrun(monkeypatch, rank: int = 0, world: int = 1, restarts: int = 0):
+    """This process's environment as torchrun gives its workers' (its variables count only
+    where WORLD_SIZE and MASTER_ADDR say a launcher started the process)."""
+    for key, value in (("RANK", rank), ("WORLD_SIZE", world), ("MASTER_ADDR", "127.0.0.1"),
+                       ("TORCHELASTIC_RESTART_COUNT", restarts)):
+        monkeypatch.setenv(key, str(value))
+
+
 def from_a_terminal():
     """In the child: SIGINT as a terminal's Ctrl-C delivers it. A script's background job
     (`.ci/run &`) starts its children with SIGINT ignored, and Python then never raises
@@ -523,7 +531,7 @@ def test_a_torchrun_restart_after_the_stop_asked_for_trains_nothing(tmp_path, mo
     from trainer.loop import Trainer
     train(tmp_path / "a", "trainer.epochs=3", "trainer.stop_after_epoch=2")
     summary = (tmp_path / "a" / "summary.json").read_text()
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    as_torchrun(monkeypatch, restarts=1)
     restart = config(*TINY, "trainer.epochs=3", "trainer.stop_after_epoch=2", f"trainer.resume={tmp_path / 'a'}")
     with caplog.at_level("INFO", logger="trainer"):
         assert Trainer(restart, tmp_path / "a", Dist()).fit()["epochs"] == 2
@@ -592,7 +600,7 @@ def test_an_interrupted_torchrun_job_is_told_to_continue_under_torchrun_with_its
                                                  "(which takes this run's options from it)")
     monkeypatch.setenv("WORLD_SIZE", "2")  # a stray one, outside torchrun
     assert _where_to_continue(cfg, tmp_path).endswith(f"trainer.resume={tmp_path} (which takes this run's options from it)")
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    as_torchrun(monkeypatch, world=2)
     assert _where_to_continue(cfg, tmp_path) == (f"; continue from epoch_0003.pt with trainer.resume={tmp_path}, under "
                                                  "torchrun with 2 processes as this job (which takes this run's "
                                                  "options from it)")
@@ -709,11 +717,11 @@ def test_only_rank_0_checks_the_shared_folder_and_writes_a_modes_results(tmp_pat
         cfg = compose("train", ["mode=plan"], return_hydra_config=True)
     cfg.hydra.overrides.hydra = [f"hydra.run.dir={tmp_path}"]
     cfg.hydra.run.dir = str(tmp_path)
-    monkeypatch.setenv("RANK", "1")
+    as_torchrun(monkeypatch, rank=1, world=2)
     RunDirectory().on_run_start(cfg)
     run_plan(config("mode=plan"), tmp_path)
     assert (tmp_path / "plan.json").read_text() == "rank 0's"
-    monkeypatch.setenv("RANK", "0")
+    as_torchrun(monkeypatch, rank=0, world=2)
     with pytest.raises(SystemExit):
         RunDirectory().on_run_start(cfg)
 
@@ -799,7 +807,7 @@ def test_whose_a_run_folder_is(tmp_path, monkeypatch):
     (fresh / "metrics.jsonl").write_text("")
     assert "holds another run's results" in other_run(fresh, str(mine))  # resumed, but into a third run's folder
     assert restart_checkpoint(mine) == ""  # not restarted
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    as_torchrun(monkeypatch, restarts=1)
     assert restart_checkpoint(mine) == str(mine)  # written after this process's parent started
     for old in (mine / "checkpoints" / "epoch_0001.pt", fresh / "metrics.jsonl"):
         os.utime(old, (0, 0))  # written before it: another job's
