@@ -153,10 +153,11 @@ def run_bench(cfg: TrainConfig, run_dir: Path):
     device = dist.device_for(cfg.device, dist.from_env())
     text = bench.run(cfg, device, cfg.bench.optimizers)
     print(text)  # each rank's, of its own GPU
-    if _is_main():
-        with writing(run_dir / "bench.md") as f:
-            f.write((text + "\n").encode())
-    if _is_main() and cfg.bench.out:
+    if not _is_main():
+        return
+    with writing(run_dir / "bench.md") as f:
+        f.write((text + "\n").encode())
+    if cfg.bench.out:
         try:
             with open(cfg.bench.out, "a") as f:
                 f.write("\n" + text + "\n")
@@ -464,8 +465,7 @@ def _continue_from_newest(run_dir: Path) -> str | None:
 
 
 def _world() -> int:
-    from trainer.dist import from_env, launched
-    return from_env().world if launched() else 1
+    return ranks()[1]
 
 
 def _once_there_is_room(cfg: DictConfig, run_dir: Path) -> str:

@@ -57,9 +57,8 @@ def build_sources(cfg: TrainConfig, device: torch.device, rank: int, world: int,
     and give None for it."""
     d, t = cfg.data, cfg.trainer
     if not d.threads:  # JPEG decoding is CPU-bound in part (Huffman decoding): use the cores
-        local = os.environ.get("LOCAL_WORLD_SIZE", "1") if launched() else "1"  # torchrun's processes on this node
-        local = int(local) if local.isdigit() and int(local) > 0 else 1
-        d = dataclasses.replace(d, threads=max(1, (os.cpu_count() or 1) // local))
+        local = os.environ.get("LOCAL_WORLD_SIZE", "") if launched() else ""  # torchrun's processes on this node
+        d = dataclasses.replace(d, threads=max(1, (os.cpu_count() or 1) // max(1, int(local) if local.isdigit() else 1)))
     train_size, val_size = dataset_sizes(d, read_train)
     train = Shard(train_size, t.batch_size, rank, world, train=True, drop_last=t.drop_last)
     val = Shard(val_size, val_batch(t, val_size, world), rank, world, train=False)
