@@ -38,6 +38,79 @@ runpy.run_path(sys.argv[0], run_name="__main__")
     assert "Traceback" not in out.stderr and (tmp_path / "sweep" / "0" / "plan.json").exists()
 
 
+def interrupted_sweep(sweep: Path, args: list[str], before_saving: bool) -> subprocess.CompletedProcess:
+    """The sweep `args` in `sweep`, with Ctrl-C in job 1 as it saves its first checkpoint:
+    before the file is written, or after."""
+    script = f"""
+import runpy, signal, sys
+from trainer import loop
+save = loop.Trainer.save
+def interrupt_job_1(self, epochs_done):
+    if self.run_dir.name == "1" and {before_saving!r}:
+        signal.raise_signal(signal.SIGINT)
+    save(self, epochs_done)
+    if self.run_dir.name == "1":
+        signal.raise_signal(signal.SIGINT)
+loop.Trainer.save = interrupt_job_1
+sys.argv = {command(sweep, *args, multirun=True)[1:]!r}
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=sweep.parent,
+                          timeout=300, preexec_fn=from_a_terminal)
+
+
+SWEEP = [*SMALL, "trainer.epochs=2", "trainer.seed=1,2,3"]
+
+
+def test_a_sweep_stopped_part_way_goes_on_in_its_folder(tmp_path):
+    """Ctrl-C in a sweep's job said how to continue that job alone, as a run of its own, and
+    the sweep's command run again in its folder was refused as "another sweep's jobs": the
+    jobs after it could only be started by hand. Now the same command in the same folder
+    goes on with each job from its newest checkpoint (a finished one trains nothing) and
+    starts those that had not run; another command there is refused, and writes nothing."""
+    sweep = tmp_path / "sweep"
+    out = interrupted_sweep(sweep, SWEEP, before_saving=False)
+    assert out.returncode == 130 and "Traceback" not in out.stderr, out.stderr
+    assert out.stdout.splitlines()[-1].endswith(
+        f" - interrupted; to go on, run the sweep's command again with hydra.sweep.dir={sweep}: each job goes on from "
+        "its newest checkpoint, and the jobs not yet run start (this one from epoch_0001.pt)")
+    assert [p.name for p in (sweep / "1" / "checkpoints").iterdir()] == ["epoch_0001.pt"]
+    assert not (sweep / "2").exists()
+    finished = (sweep / "0" / "summary.json").read_bytes()
+    before = {p: p.read_bytes() for p in sweep.rglob("*") if p.is_file()}
+    other = run(sweep, *SWEEP[:-1], "trainer.seed=2,1,3", multirun=True)
+    assert other.returncode == 2 and other.stderr == (
+        f"{sweep} holds another sweep's jobs (0/ has its checkpoints or results): give this sweep a folder of its own "
+        "(hydra.sweep.dir=...); a sweep goes on in its folder only with the command line it was started with\n")
+    assert {p: p.read_bytes() for p in sweep.rglob("*") if p.is_file()} == before
+    again = run(sweep, *SWEEP, multirun=True)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert (sweep / "0" / "summary.json").read_bytes() == finished  # nothing left to train
+    assert f"resumed from {sweep / '1'}, saved after epoch 1" in (sweep / "1" / "run.log").read_text()
+    for job in "12":
+        summary = json.loads((sweep / job / "summary.json").read_text())
+        assert (summary["epochs"], summary["steps"]) == (2, 16), job
+
+
+def test_a_sweep_stopped_before_a_jobs_first_checkpoint_says_to_remove_its_folder(tmp_path):
+    """That job's records, of an attempt with nothing to continue from, stand in the way of
+    its start anew, as a run's do: the sweep says so, and goes on once they are gone."""
+    sweep = tmp_path / "sweep"
+    out = interrupted_sweep(sweep, SWEEP, before_saving=True)
+    assert out.returncode == 130 and out.stdout.splitlines()[-1].endswith(
+        f" - interrupted before this job's first checkpoint; remove {sweep / '1'}, then run the sweep's command again "
+        f"with hydra.sweep.dir={sweep}: each job goes on from its newest checkpoint, and the jobs not yet run "
+        "start"), out.stdout + out.stderr
+    refused = run(sweep, *SWEEP, multirun=True)
+    assert refused.returncode == 2 and refused.stderr == (
+        f"sweep job 1 ({' '.join(SWEEP[:-1])} trainer.seed=2) was stopped before its first checkpoint, and "
+        f"{sweep / '1'} holds its records: remove {sweep / '1'}, then run the sweep again to start that job anew\n")
+    shutil.rmtree(sweep / "1")
+    again = run(sweep, *SWEEP, multirun=True)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert json.loads((sweep / "1" / "summary.json").read_text())["steps"] == 16
+
+
 def test_a_run_whose_data_set_moved_resumes_and_evaluates_given_data_root_alone(tmp_path):
     """The data options come from the checkpoint: data.root=NEW alone was refused against the
     defaults' data=synthetic before they were taken, and the advice it gave (data=imagefolder)

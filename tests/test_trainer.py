@@ -596,12 +596,13 @@ def test_an_interrupted_torchrun_job_is_told_to_continue_under_torchrun_with_its
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "epoch_0003.pt").write_bytes(b"")
     cfg = OmegaConf.create({"trainer": {"resume": ""}})
-    assert _where_to_continue(cfg, tmp_path) == (f"; continue from epoch_0003.pt with trainer.resume={tmp_path} "
+    hydra = OmegaConf.create({"mode": "RUN"})
+    assert _where_to_continue(cfg, tmp_path, hydra) == (f"; continue from epoch_0003.pt with trainer.resume={tmp_path} "
                                                  "(which takes this run's options from it)")
     monkeypatch.setenv("WORLD_SIZE", "2")  # a stray one, outside torchrun
-    assert _where_to_continue(cfg, tmp_path).endswith(f"trainer.resume={tmp_path} (which takes this run's options from it)")
+    assert _where_to_continue(cfg, tmp_path, hydra).endswith(f"trainer.resume={tmp_path} (which takes this run's options from it)")
     as_torchrun(monkeypatch, world=2)
-    assert _where_to_continue(cfg, tmp_path) == (f"; continue from epoch_0003.pt with trainer.resume={tmp_path}, under "
+    assert _where_to_continue(cfg, tmp_path, hydra) == (f"; continue from epoch_0003.pt with trainer.resume={tmp_path}, under "
                                                  "torchrun with 2 processes as this job (which takes this run's "
                                                  "options from it)")
 
@@ -771,7 +772,8 @@ def test_evaluations_and_sweeps_keep_out_of_another_runs_folder(tmp_path, mode):
         f"{other} holds another run's checkpoints or results: mode=eval would write its own files over them; give "
         "it a folder of its own (hydra.run.dir=...)" if mode == "eval" else
         f"{other.parent} holds another sweep's jobs (0/ has its checkpoints or results): give this sweep a folder "
-        "of its own (hydra.sweep.dir=...)")
+        "of its own (hydra.sweep.dir=...); a sweep goes on in its folder only with the command line it was started "
+        "with")
     assert list(other.iterdir()) == [other / "checkpoints"]  # nothing written beside them
 
 

@@ -72,7 +72,7 @@ def _configured(dict_cfg: DictConfig, run_dir: Path, hydra: DictConfig, task, sa
     except OmegaConfBaseException as e:
         raise _unresolved(e) from None
     if cfg.mode == "train":
-        cfg.trainer.resume = restart_checkpoint(run_dir) or cfg.trainer.resume
+        cfg.trainer.resume = restart_checkpoint(run_dir) or _sweep_checkpoint(run_dir, hydra) or cfg.trainer.resume
         if cfg.trainer.resume:
             _take_options(cfg, cfg.trainer.resume, RUN_OPTIONS, hydra, task, say)
     elif cfg.mode in ("eval", "export"):
@@ -82,6 +82,12 @@ def _configured(dict_cfg: DictConfig, run_dir: Path, hydra: DictConfig, task, sa
         cfg.trainer.resume = str(find_checkpoint(cfg.checkpoint or cfg.trainer.resume))
         _take_options(cfg, cfg.trainer.resume, CHECKPOINT_OPTIONS, hydra, task, say)
     return validate(cfg)
+
+
+def _sweep_checkpoint(run_dir: Path, hydra: DictConfig) -> str:
+    """A sweep's job whose folder holds checkpoints goes on from them: the sweep, stopped,
+    was started again in its folder, whose jobs it checked as its own (_refuse_another_jobs)."""
+    return str(run_dir) if hydra.mode == RunMode.MULTIRUN and saved(run_dir / "checkpoints") else ""
 
 
 def _unresolved(e: OmegaConfBaseException) -> ConfigError:
@@ -233,11 +239,10 @@ class RunDirectory(Callback):
                 config.hydra.overrides.hydra.append(override("hydra.sweep.dir", config.hydra.sweep.dir, shell=False))
             return
         sweep = Path(config.hydra.sweep.dir)
+        jobs = _validate_jobs(config, named=True)  # their folders; None for a sweeper that chooses them as it goes
         for job in sorted(sweep.iterdir()) if sweep.is_dir() else ():
-            if job.is_dir() and other_run(job, ""):
-                raise ConfigError(f"{sweep} holds another sweep's jobs ({job.name}/ has its checkpoints or results): "
-                                  "give this sweep a folder of its own (hydra.sweep.dir=...)")
-        _validate_jobs(config, named=True)
+            if job.is_dir() and (jobs is None or job not in jobs) and other_run(job, ""):
+                raise _another_sweeps(sweep, job)
         _make(config.hydra.sweep.dir, "hydra.sweep.dir")
         _hold(config.hydra.sweep.dir)
         (Path(config.hydra.sweep.dir) / JOBS).unlink(missing_ok=True)  # an earlier attempt's, in a folder named again
@@ -275,7 +280,7 @@ def _validate_jobs(config: DictConfig, named: bool = False):
     in a job listed late would stop the sweep only after the jobs before it had trained.
     In a sweep folder the command line `named`, each job's folder is checked as a run's is."""
     if config.hydra.sweeper._target_ != f"{BasicSweeper.__module__}.{BasicSweeper.__name__}":
-        return  # other sweepers choose their jobs as they go
+        return None  # other sweepers choose their jobs as they go
     loader = GlobalHydra.instance().config_loader()
     # as the sweeper reads them: its params resolved (Hydra resolves them as it makes it), the
     # command line's overrides not (an interpolation there is the job's to resolve)
@@ -306,11 +311,50 @@ def _validate_jobs(config: DictConfig, named: bool = False):
                               "job has run")
         folders[folder] = number
         if named:  # a folder the sweep is given, not a new one: before Hydra writes the job's .hydra/ over a run's
-            _refuse_another_runs(folder, job_config)
+            _refuse_another_jobs(folder, job_config, config, number, list(job))
         try:  # with the options a job that reads a checkpoint takes from it, as it will as it starts
             _configured(job_config, folder, config.hydra, list(job), say=False)
         except TrainerError as e:
             raise ConfigError(f"sweep job {number} ({_shown(job)}): {e}; no job has run") from None
+    return folders
+
+
+def _refuse_another_jobs(folder: Path, job_config: DictConfig, config: DictConfig, number: int, job: list[str]):
+    """A sweep's job continues in its folder only its own earlier attempt: the same sweep
+    run again in its folder (hydra.sweep.dir) after it was stopped goes on with each job
+    from its newest checkpoint (_configured), and starts the jobs that had not run. A
+    folder with another run's records, or with this job's records and no checkpoint (it was
+    stopped before its first), is refused."""
+    if not other_run(folder, ""):
+        return
+    sweep = Path(config.hydra.sweep.dir)
+    if folder.parent != sweep:  # hydra.sweep.subdir=. or a path elsewhere: a run's folder
+        return _refuse_another_runs(folder, job_config)
+    if _started_as(folder, config) != job:
+        raise _another_sweeps(sweep, folder)
+    shown = f"sweep job {number} ({_shown(job)})"
+    if job_config.mode != "train":
+        raise ConfigError(f"{shown} has its results in {folder} already: mode={job_config.mode} would write them again; "
+                          f"remove {folder} to run it again, or give the sweep a folder of its own (hydra.sweep.dir=...)")
+    if not saved(folder / "checkpoints"):
+        raise ConfigError(f"{shown} was stopped before its first checkpoint, and {folder} holds its records: remove "
+                          f"{folder}, then run the sweep again to start that job anew")
+
+
+def _started_as(folder: Path, config: DictConfig) -> list[str] | None:
+    """The overrides a sweep's job in `folder` was started with (Hydra's record of them), or None."""
+    if config.hydra.output_subdir is None:
+        return None
+    try:
+        return list(OmegaConf.load(folder / config.hydra.output_subdir / "overrides.yaml"))
+    except (OSError, OmegaConfBaseException, TypeError):  # none there, or not a list
+        return None
+
+
+def _another_sweeps(sweep: Path, job: Path) -> ConfigError:
+    return ConfigError(f"{sweep} holds another sweep's jobs ({job.name}/ has its checkpoints or results): give this "
+                       "sweep a folder of its own (hydra.sweep.dir=...); a sweep goes on in its folder only with the "
+                       "command line it was started with")
 
 
 def _shown(job) -> str:
@@ -442,13 +486,21 @@ def _cannot_make(folder, e: OSError, key: str) -> ConfigError:
                        f"{key}=...")
 
 
-def _where_to_continue(cfg: DictConfig, run_dir: Path) -> str:
+def _where_to_continue(cfg: DictConfig, run_dir: Path, hydra: DictConfig) -> str:
     """How an interrupted training run goes on: from its newest checkpoint, which keeps the
-    run's options, or from the one it resumed if it wrote none."""
+    run's options, or from the one it resumed if it wrote none; a sweep's job, by running
+    the sweep again in its folder (`hydra`: Hydra's node of the run)."""
+    if hydra.mode == RunMode.MULTIRUN:
+        again = (f"run the sweep's command again with {override('hydra.sweep.dir', os.path.abspath(hydra.sweep.dir))}: "
+                 "each job goes on from its newest checkpoint, and the jobs not yet run start")
+        found = saved(run_dir / "checkpoints")
+        if found:
+            return f"; to go on, {again} (this one from {found[-1].name})"
+        return f" before this job's first checkpoint; {f'remove {run_dir}, then ' if other_run(run_dir, '') else ''}{again}"
     newest = _continue_from_newest(run_dir)
     if newest:
         return f"; {newest}"
-    if cfg.trainer.resume and "hydra.run.dir" in given(HydraConfig.get().overrides.hydra):  # a branch's folder
+    if cfg.trainer.resume and "hydra.run.dir" in given(hydra.overrides.hydra):  # a branch's folder
         return (f" before its first checkpoint: {run_dir} holds nothing to continue from; remove it and run the same "
                 "command again")
     if cfg.trainer.resume:  # a checkpoint outside a run's folder: a new folder each time
@@ -533,7 +585,7 @@ def _stopped(e: BaseException, dict_cfg: DictConfig, run_dir: Path) -> SystemExi
     with the shell's status. A checkpoint is written whole or not at all: those there are
     intact."""
     log.error("%s%s", "interrupted" if isinstance(e, KeyboardInterrupt) else "terminated", _where_to_continue(
-        dict_cfg, run_dir) if dict_cfg.mode == "train" else "")
+        dict_cfg, run_dir, HydraConfig.get()) if dict_cfg.mode == "train" else "")
     return SystemExit(130 if isinstance(e, KeyboardInterrupt) else 143)  # as a shell reports SIGINT, SIGTERM
 
 
