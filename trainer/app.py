@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from trainer.config import (CHECKPOINT_OPTIONS, RUN_OPTIONS, TrainConfig, chosen_keys, expand_paths, first_line,
-                            given_changes, given_options, recorded, take_options, validate)
+                            given_changes, given_options, read_by, recorded, take_options, validate)
 from trainer.errors import CheckpointError, ConfigError, TrainerError, WriteError
 from trainer.run_dir import (PARTS, continue_with, find_checkpoint, given, other_run, override, ranks,
                              restart_checkpoint, restarted, resumed_folder, saved, writing)
@@ -115,7 +115,8 @@ def _take_options(cfg: TrainConfig, path: str, keys, hydra: DictConfig, task, sa
     if changed and say:
         log.info("this command changes the options of the run that wrote %s: %s", path,
                  " ".join(f"{key}={now} (was {then})" for key, (then, now) in changed.items()))
-    taken = take_options(cfg, written, keys, named)
+    # those this configuration reads: a ResNet's checkpoint sets fastnet's model.widths too, without effect
+    taken = {key: value for key, value in take_options(cfg, written, keys, named).items() if read_by(cfg, key)}
     if taken and say:
         log.info("as the run that wrote %s: %s", path, " ".join(f"{key}={value}" for key, value in taken.items()))
 

@@ -681,6 +681,11 @@ _READ_ONLY_WITH = {
 }
 
 
+def read_by(cfg: TrainConfig, key: str) -> bool:
+    """Whether this configuration reads the option `key` (model.widths only a fastnet model)."""
+    return key not in _READ_ONLY_WITH or _READ_ONLY_WITH[key][0](cfg)
+
+
 def ignored(cfg: TrainConfig) -> list[str]:
     """The options set away from the schema's defaults that this configuration does not read
     (schedule.gamma without schedule=step, ema_decay without ema=true), and bench's outside
