@@ -38,20 +38,25 @@ runpy.run_path(sys.argv[0], run_name="__main__")
     assert "Traceback" not in out.stderr and (tmp_path / "sweep" / "0" / "plan.json").exists()
 
 
-def interrupted_sweep(sweep: Path, args: list[str], before_saving: bool) -> subprocess.CompletedProcess:
-    """The sweep `args` in `sweep`, with Ctrl-C in job 1 as it saves its first checkpoint:
-    before the file is written, or after."""
+def stopped_sweep(sweep: Path, args: list[str], how: str) -> subprocess.CompletedProcess:
+    """The sweep `args` in `sweep`, with its job 1 stopped as it saves its first checkpoint
+    (`how`: Ctrl-C before the file is written, or after) or its second (a full disk)."""
     script = f"""
-import runpy, signal, sys
+import errno, os, runpy, signal, sys
+import torch
 from trainer import loop
-save = loop.Trainer.save
-def interrupt_job_1(self, epochs_done):
-    if self.run_dir.name == "1" and {before_saving!r}:
+save, torch_save = loop.Trainer.save, torch.save
+def stop_job_1(self, epochs_done):
+    if self.run_dir.name == "1" and epochs_done == 1 and {how!r} == "ctrl-c before saving":
         signal.raise_signal(signal.SIGINT)
     save(self, epochs_done)
-    if self.run_dir.name == "1":
+    if self.run_dir.name == "1" and {how!r} == "ctrl-c after saving":
         signal.raise_signal(signal.SIGINT)
-loop.Trainer.save = interrupt_job_1
+def full_at_job_1s_second(obj, f, *args, **kwargs):
+    if {how!r} == "disk full" and "/1/checkpoints/epoch_0002.pt" in str(getattr(f, "name", f)):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    torch_save(obj, f, *args, **kwargs)
+loop.Trainer.save, torch.save = stop_job_1, full_at_job_1s_second
 sys.argv = {command(sweep, *args, multirun=True)[1:]!r}
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -62,18 +67,24 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 SWEEP = [*SMALL, "trainer.epochs=2", "trainer.seed=1,2,3"]
 
 
-def test_a_sweep_stopped_part_way_goes_on_in_its_folder(tmp_path):
+@pytest.mark.parametrize("how", ["ctrl-c after saving", "disk full"])
+def test_a_sweep_stopped_part_way_goes_on_in_its_folder(tmp_path, how):
     """Ctrl-C in a sweep's job said how to continue that job alone, as a run of its own, and
     the sweep's command run again in its folder was refused as "another sweep's jobs": the
     jobs after it could only be started by hand. Now the same command in the same folder
     goes on with each job from its newest checkpoint (a finished one trains nothing) and
-    starts those that had not run; another command there is refused, and writes nothing."""
+    starts those that had not run; another command there is refused, and writes nothing.
+    A full disk stops the sweep likewise: the next job went on to Hydra's traceback as it
+    wrote its .hydra/."""
     sweep = tmp_path / "sweep"
-    out = interrupted_sweep(sweep, SWEEP, before_saving=False)
-    assert out.returncode == 130 and "Traceback" not in out.stderr, out.stderr
+    out = stopped_sweep(sweep, SWEEP, how)
+    assert out.returncode == (130 if how.startswith("ctrl-c") else 2) and "Traceback" not in out.stderr, out.stderr
+    said = (f"interrupted; to go on, " if how.startswith("ctrl-c") else
+            f"cannot write {sweep / '1' / 'checkpoints' / 'epoch_0002.pt'} (No space left on device); the earlier "
+            f"checkpoints in {sweep / '1' / 'checkpoints'} are intact; make room there, then ")
     assert out.stdout.splitlines()[-1].endswith(
-        f" - interrupted; to go on, run the sweep's command again with hydra.sweep.dir={sweep}: each job goes on from "
-        "its newest checkpoint, and the jobs not yet run start (this one from epoch_0001.pt)")
+        f" - {said}run the sweep's command again with hydra.sweep.dir={sweep}: each job goes on from its newest "
+        "checkpoint, and the jobs not yet run start (this one from epoch_0001.pt)"), out.stdout
     assert [p.name for p in (sweep / "1" / "checkpoints").iterdir()] == ["epoch_0001.pt"]
     assert not (sweep / "2").exists()
     finished = (sweep / "0" / "summary.json").read_bytes()
@@ -96,7 +107,7 @@ def test_a_sweep_stopped_before_a_jobs_first_checkpoint_says_to_remove_its_folde
     """That job's records, of an attempt with nothing to continue from, stand in the way of
     its start anew, as a run's do: the sweep says so, and goes on once they are gone."""
     sweep = tmp_path / "sweep"
-    out = interrupted_sweep(sweep, SWEEP, before_saving=True)
+    out = stopped_sweep(sweep, SWEEP, "ctrl-c before saving")
     assert out.returncode == 130 and out.stdout.splitlines()[-1].endswith(
         f" - interrupted before this job's first checkpoint; remove {sweep / '1'}, then run the sweep's command again "
         f"with hydra.sweep.dir={sweep}: each job goes on from its newest checkpoint, and the jobs not yet run "

@@ -492,12 +492,8 @@ def _where_to_continue(cfg: DictConfig, run_dir: Path, hydra: DictConfig) -> str
     run's options, or from the one it resumed if it wrote none; a sweep's job, by running
     the sweep again in its folder (`hydra`: Hydra's node of the run)."""
     if hydra.mode == RunMode.MULTIRUN:
-        again = (f"run the sweep's command again with {override('hydra.sweep.dir', os.path.abspath(hydra.sweep.dir))}: "
-                 "each job goes on from its newest checkpoint, and the jobs not yet run start")
-        found = saved(run_dir / "checkpoints")
-        if found:
-            return f"; to go on, {again} (this one from {found[-1].name})"
-        return f" before this job's first checkpoint; {f'remove {run_dir}, then ' if other_run(run_dir, '') else ''}{again}"
+        return f"; to go on, {_sweep_goes_on(run_dir, hydra)}" if saved(run_dir / "checkpoints") else \
+            f" before this job's first checkpoint; {_sweep_goes_on(run_dir, hydra)}"
     newest = _continue_from_newest(run_dir)
     if newest:
         return f"; {newest}"
@@ -507,6 +503,17 @@ def _where_to_continue(cfg: DictConfig, run_dir: Path, hydra: DictConfig) -> str
     if cfg.trainer.resume:  # a checkpoint outside a run's folder: a new folder each time
         return f" before its first checkpoint; continue again from {continue_with(cfg.trainer.resume, _world())}"
     return " before the first checkpoint: nothing to continue from"
+
+
+def _sweep_goes_on(run_dir: Path, hydra: DictConfig) -> str:
+    """How a sweep whose job in run_dir stopped goes on: its command run again in its folder,
+    once that job's records are removed where it has no checkpoint to continue from."""
+    again = (f"run the sweep's command again with {override('hydra.sweep.dir', os.path.abspath(hydra.sweep.dir))}: "
+             "each job goes on from its newest checkpoint, and the jobs not yet run start")
+    found = saved(run_dir / "checkpoints")
+    if found:
+        return f"{again} (this one from {found[-1].name})"
+    return f"remove {run_dir}, then {again}" if other_run(run_dir, "") else again
 
 
 def _continue_from_newest(run_dir: Path) -> str | None:
@@ -521,11 +528,13 @@ def _world() -> int:
     return ranks()[1]
 
 
-def _once_there_is_room(cfg: DictConfig, run_dir: Path) -> str:
+def _once_there_is_room(cfg: DictConfig, run_dir: Path, hydra: DictConfig) -> str:
     """What to do after a file could not be written (a full disk): a training run continues
-    from its newest checkpoint, if it has one."""
+    from its newest checkpoint, if it has one; a sweep's job, with its sweep."""
     if cfg.mode != "train":
         return "; make room there, then run the command again"
+    if hydra.mode == RunMode.MULTIRUN:
+        return f"; make room there, then {_sweep_goes_on(run_dir, hydra)}"
     return f"; make room there, then {_continue_from_newest(run_dir) or f'remove {run_dir} and run the command again'}"
 
 
@@ -616,10 +625,11 @@ def main(dict_cfg: DictConfig):
         cfg = _configured(dict_cfg, run_dir, HydraConfig.get(), HydraConfig.get().overrides.task)
         MODES[cfg.mode](cfg, run_dir)
     except TrainerError as e:
-        why = f"{e}{_once_there_is_room(dict_cfg, run_dir) if isinstance(e, WriteError) else ''}"
+        why = f"{e}{_once_there_is_room(dict_cfg, run_dir, HydraConfig.get()) if isinstance(e, WriteError) else ''}"
         log.error("%s", why)
-        if HydraConfig.get().mode == RunMode.MULTIRUN:
+        if HydraConfig.get().mode == RunMode.MULTIRUN and not isinstance(e, WriteError):
             return JobFailed(why)  # the sweep goes on to its next job
+        # a full disk stops a sweep too: the next job's folder would end in Hydra's traceback
         raise SystemExit(2)
     except (KeyboardInterrupt, Terminated) as e:
         raise _stopped(e, dict_cfg, run_dir) from None
