@@ -213,6 +213,15 @@ def test_missing_directories(tree, tmp_path):
         dataset_sizes(config(tree).data)
 
 
+def test_hidden_folders_and_files_are_not_classes_or_images(tree):
+    """Jupyter's .ipynb_checkpoints/ was taken for an empty class, and macOS's ._NAME.jpg
+    beside a copied image (its attributes, no JPEG) for a corrupt image: each stopped the run."""
+    (tree / "train" / ".ipynb_checkpoints").mkdir()
+    (tree / "train" / "apple" / "._0.jpg").write_bytes(b"\x00\x05\x16\x07")
+    assert dataset_sizes(config(tree).data) == (15, 6)
+    build_sources(config(tree), CPU, 0, 1, None)
+
+
 def test_empty_class_folder(tree):
     for f in (tree / "val" / "mango").iterdir():
         f.unlink()

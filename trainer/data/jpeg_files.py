@@ -38,8 +38,8 @@ def find_split(root: Path, names: tuple[str, ...]) -> Path:
 
 
 def class_folders(folder: Path) -> list[str]:
-    """The class names: the sorted names of `folder`'s folders."""
-    return sorted(e.name for e in os.scandir(folder) if e.is_dir())
+    """The class names: the sorted names of `folder`'s folders but hidden ones (.ipynb_checkpoints)."""
+    return sorted(e.name for e in os.scandir(folder) if e.is_dir() and not e.name.startswith("."))
 
 
 _listed: dict[Path, tuple[tuple, list[str], np.ndarray]] = {}  # folder -> (its folders' times, files, labels)
@@ -76,8 +76,9 @@ def list_split(folder: Path) -> tuple[list[str], np.ndarray, list[str]]:
 def _list_files(folder: Path, classes: list[str]) -> tuple[list[str], np.ndarray]:
     files, labels = [], []
     for k, name in enumerate(classes):
+        # not hidden ones: macOS's copies keep a file's attributes beside it as ._NAME.jpg, which is no image
         jpegs = sorted(e.name for e in os.scandir(folder / name)
-                       if e.is_file() and e.name.lower().endswith(IMAGE_SUFFIXES))
+                       if e.is_file() and e.name.lower().endswith(IMAGE_SUFFIXES) and not e.name.startswith("."))
         if not jpegs:  # what it holds instead: images in subfolders are not read (not a class's)
             held = sorted(e.name + "/" if e.is_dir() else e.name for e in os.scandir(folder / name))
             found = f" but {', '.join(held[:4])}{' ...' if len(held) > 4 else ''}" if held else ""
