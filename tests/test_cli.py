@@ -79,7 +79,7 @@ def test_a_sweep_stopped_part_way_goes_on_in_its_folder(tmp_path, how):
     sweep = tmp_path / "sweep"
     out = stopped_sweep(sweep, SWEEP, how)
     assert out.returncode == (130 if how.startswith("ctrl-c") else 2) and "Traceback" not in out.stderr, out.stderr
-    said = (f"interrupted; to go on, " if how.startswith("ctrl-c") else
+    said = ("interrupted; to go on, " if how.startswith("ctrl-c") else
             f"cannot write {sweep / '1' / 'checkpoints' / 'epoch_0002.pt'} (No space left on device); the earlier "
             f"checkpoints in {sweep / '1' / 'checkpoints'} are intact; make room there, then ")
     assert out.stdout.splitlines()[-1].endswith(
@@ -114,12 +114,64 @@ def test_a_sweep_stopped_before_a_jobs_first_checkpoint_says_to_remove_its_folde
         "start"), out.stdout + out.stderr
     refused = run(sweep, *SWEEP, multirun=True)
     assert refused.returncode == 2 and refused.stderr == (
-        f"sweep job 1 ({' '.join(SWEEP[:-1])} trainer.seed=2) was stopped before its first checkpoint, and "
-        f"{sweep / '1'} holds its records: remove {sweep / '1'}, then run the sweep again to start that job anew\n")
+        f"sweep job 1 ({' '.join(SWEEP[:-1])} trainer.seed=2) ended before its first checkpoint (stopped, or "
+        f"failed: {sweep / '1' / 'run.log'} says why), and {sweep / '1'} holds its records: remove {sweep / '1'}, then "
+        "run the sweep again to start that job anew\n")
     shutil.rmtree(sweep / "1")
     again = run(sweep, *SWEEP, multirun=True)
     assert again.returncode == 0, again.stdout + again.stderr
     assert json.loads((sweep / "1" / "summary.json").read_text())["steps"] == 16
+
+
+def test_a_sweep_goes_on_with_its_overrides_in_another_order_and_runs_its_other_modes_again(tmp_path):
+    """Its command run again lists the same jobs in another order of overrides, or runs a
+    plan job again, which writes the same plan: both were refused as another sweep's."""
+    sweep = tmp_path / "sweep"
+    assert run(sweep, "mode=plan,train", *SMALL, "trainer.epochs=1", multirun=True).returncode == 0
+    plan, summary = (sweep / "0" / "plan.json").read_bytes(), (sweep / "1" / "summary.json").read_bytes()
+    again = run(sweep, "trainer.epochs=1", *SMALL, "mode=plan,train", multirun=True)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert (sweep / "0" / "plan.json").read_bytes() == plan and (sweep / "1" / "summary.json").read_bytes() == summary
+
+
+def test_a_sweep_kept_without_its_jobs_overrides_says_how_to_go_on(tmp_path):
+    """Under hydra.output_subdir=null its jobs' folders keep no overrides.yaml to match them
+    by; the refusal called them another sweep's."""
+    sweep, args = tmp_path / "sweep", [*SMALL, "trainer.epochs=1", "trainer.seed=1,2", "hydra.output_subdir=null"]
+    assert run(sweep, *args, multirun=True).returncode == 0
+    out = run(sweep, *args, multirun=True)
+    assert out.returncode == 2 and out.stderr == (
+        f"{sweep} holds a sweep's jobs, and under hydra.output_subdir=null their folders keep no record of their "
+        "overrides to go on by: give this sweep a folder of its own (hydra.sweep.dir=...), or continue a job's run "
+        f"alone (trainer.resume={sweep / '0'})\n")
+
+
+def test_a_sweep_under_chdir_records_its_jobs_in_its_own_folder(tmp_path):
+    """hydra.job.chdir=true runs each job in its folder, where the sweep's relative folder
+    named another: jobs.jsonl was never written (a warning a job), so a failed job went
+    uncounted, and the advice to go on named a folder inside the job's."""
+    out = run_py(["-m", "hydra.sweep.dir=sweep", "hydra.job.chdir=true", "optimizer.lr=1e9,0.1", *SMALL,
+                  "trainer.epochs=1"], tmp_path)
+    assert out.returncode == 2 and "warning" not in out.stderr, out.stderr
+    assert out.stderr.startswith("1 of the sweep's 2 jobs failed"), out.stderr
+    assert len((tmp_path / "sweep" / "jobs.jsonl").read_text().splitlines()) == 2
+
+
+def test_a_file_where_a_sweep_job_would_run_is_refused_before_any_job_runs(tmp_path):
+    """Hydra's launcher ended in its traceback at that job, after the jobs before it had run."""
+    (tmp_path / "sweep").mkdir()
+    (tmp_path / "sweep" / "1").write_text("")
+    out = run(tmp_path / "sweep", "mode=plan", "trainer.seed=1,2", multirun=True)
+    assert out.returncode == 2 and out.stderr == (
+        f"sweep job 1 (mode=plan trainer.seed=2) runs in {tmp_path / 'sweep' / '1'}, which is a file: move it, or give "
+        "the sweep a folder of its own (hydra.sweep.dir=...)\n"), out.stderr
+    assert not (tmp_path / "sweep" / "0").exists()
+
+
+def test_shell_completion_is_hydras(tmp_path):
+    """-sc install=bash was read as an override: "install: the configuration has no such key"."""
+    out = run_py(["-sc", "install=bash"], tmp_path)
+    assert out.returncode == 0 and "hydra_bash_completion" in out.stdout, out.stdout + out.stderr
 
 
 def test_a_run_whose_data_set_moved_resumes_and_evaluates_given_data_root_alone(tmp_path):

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 from tests.helpers import assert_same_state, persistent_state  # noqa: E402
 from trainer import dist  # noqa: E402
 from trainer.collectives import units  # noqa: E402
-from trainer.errors import CheckpointError, PlanError  # noqa: E402
+from trainer.errors import CheckpointError, ConfigError, PlanError  # noqa: E402
 
 from trainer.plan import Baseline as B  # noqa: E402
 from trainer.regions import FAMILY  # noqa: E402
@@ -78,6 +78,15 @@ def test_torchrun_ranks_share_one_run_directory_and_rank_0_its_log():
     assert str(os.getppid()) in named[0]
     with pytest.raises(SystemExit, match="rdzv_id"):
         dist.launch_overrides([], {**static, "WORLD_SIZE": "16"})
+
+
+def test_a_sweep_under_torchrun_is_refused_in_one_line():
+    """Each rank swept on its own, in a folder of its own, and the second job ended in a
+    traceback as it set up the process group again."""
+    for flag in ("-m", "--multirun"):
+        with pytest.raises(ConfigError, match=r"^a sweep \(-m\) does not run under torchrun"):
+            dist.launch_overrides([flag, "optimizer.lr=0.1,0.2"], {**TORCHRUN, "RANK": "0"})
+    assert dist.launch_overrides(["-m"], {"RANK": "0"}) == []  # one process sweeps
 
 
 def test_torchrun_variables_outside_a_launched_job_leave_a_single_process(tmp_path):

@@ -75,8 +75,20 @@ BAD = {
     "learning-rate-not-a-number": (["optimizer.lr=nan"], "optimizer.lr=nan must be a finite number", True),
     "plan-ranks-in-a-training-run": (["mode=train", "dist.plan_ranks=4"], "dist.plan_ranks=4 only applies to mode=plan",
                                      True),
-    "fold-bn-of-a-fast-net": (["fold_bn=true"], "this model has BatchNorms without one (the fast nets' learn only their "
-                                                "bias): use fold_bn=false, or a ResNet", True),
+    # found as the model was planned: a sweep's job, after the jobs before it had run
+    "fold-bn-of-a-fast-net": (["fold_bn=true"], "fold_bn=true folds each BatchNorm's weight into its scale, and "
+                                                "model=fastnet's BatchNorms learn only their bias: use fold_bn=false, "
+                                                "or a ResNet", True),
+    # finite, and so past the checks, then a traceback as the set-up made fp32 scalars or int64 step counts of them
+    "beyond-fp32": (["optimizer.weight_decay=1e300"], "optimizer.weight_decay=1e+300 is too large: fp32 holds at most "
+                                                      "3.4e+38", True),
+    "epochs-beyond-any-run": (["schedule.warmup_epochs=1e300"], "schedule.warmup_epochs=1e+300 is too large: at most "
+                                                                "1e+12 epochs", True),
+    # every step of the weight block zero: a finished run at chance, without a word
+    "lars-without-trust": (["optimizer=lars", "optimizer.lars_eta=0"], "optimizer.lars_eta=0.0 must be positive", True),
+    "loss-scale-below-one": (["amp=true", "trainer.grad_scale_init=1e-6"], "trainer.grad_scale_init=1e-06 must be at "
+                                                                           "least 1: fp16 gradients scaled down "
+                                                                           "underflow to zero", True),
     # torch warned of zero-element tensors and the message blamed the image size; no groups planned silently
     "fast-net-group-of-no-channels": (["model.widths=[0,1]"], "model.widths=[0, 1]: model=fastnet needs one or more groups, "
                                       "each of a positive number of channels", True),

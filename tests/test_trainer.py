@@ -320,6 +320,21 @@ def test_ctrl_c_as_a_checkpoint_is_written_stops_the_run_and_leaves_no_part_of_i
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_file_that_cannot_be_written_for_its_permissions_is_not_called_a_full_disk(tmp_path):
+    """The advice after any write that failed was to make room there."""
+    import errno
+
+    from omegaconf import OmegaConf
+
+    from trainer.app import _once_there_is_room
+    from trainer.errors import WriteError
+    cfg, hydra = OmegaConf.create({"mode": "train"}), OmegaConf.create({"mode": "RUN"})
+    then = f", then remove {tmp_path} and run the command again"
+    for code, said in ((errno.ENOSPC, "make room there"), (errno.EACCES, "make it writable"),
+                       (errno.EROFS, "make it writable")):
+        assert _once_there_is_room(WriteError("cannot write", code), cfg, tmp_path, hydra) == f"; {said}{then}"
+
+
 def files_up_to(nbytes: int):
     """In the child: a file it writes cannot grow past nbytes, so the write fails as on a full
     disk (with EFBIG, "File too large": Python ignores the SIGXFSZ that comes with it)."""
@@ -990,7 +1005,16 @@ def test_a_sweep_with_a_bad_value_in_a_late_job_runs_no_job(tmp_path):
     (["hydra.run.dir=run", "trainer.resume=none"], "no checkpoint at TMP/none: give a checkpoint file, or a run directory"),
     (["hydra.run.dir=run", "mode=eval", "checkpoint=none"], "no checkpoint at TMP/none: give a checkpoint file"),
     (["hydra.run.dir="], "hydra.run.dir is empty: give the run a folder (hydra.run.dir=...)"),
-], ids=["a sweep's misspelled option", "a sweep's job Hydra refuses", "resume", "eval", "empty run folder"])
+    (["hydra.run.dir=run", "trainer.epochs=-1"], "trainer.epochs=-1.0 must be positive\n"),
+    (["hydra.run.dir=run", "trainer.seed=1,2"], "trainer.seed=1,2 sweeps over values, which only a sweep runs: add -m "
+                                               "(--multirun) for a job each\n"),
+    (["hydra.run.dir=run", "schedule.milestones=1,2"], "schedule.milestones=1,2 sweeps over values, which only a sweep "
+                                                      "runs: add -m (--multirun) for a job each, or give a list in "
+                                                      "brackets: schedule.milestones='[...]'\n"),
+    (["hydra.run.dir=run", "schedule=step", "schedule.milestones=[1,[2]]"],
+     "schedule.milestones=[1.0, [2]]: each is a number of epochs\n"),
+], ids=["a sweep's misspelled option", "a sweep's job Hydra refuses", "resume", "eval", "empty run folder",
+        "a value the checks refuse", "a sweep without -m", "a list's sweep without -m", "a list in a list"])
 def test_a_command_that_cannot_start_says_why_and_leaves_no_folder(tmp_path, args, said):
     """Before Hydra makes the run's folder (an empty run folder is the current one) or writes
     a sweep's multirun.yaml, and without a warning from Hydra's callback machinery."""

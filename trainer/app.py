@@ -1,4 +1,5 @@
 """The Hydra application: validate the configuration, then run the requested mode."""
+import copy
 import errno
 import fcntl
 import functools
@@ -84,6 +85,22 @@ def _configured(dict_cfg: DictConfig, run_dir: Path, hydra: DictConfig, task, sa
     return validate(cfg)
 
 
+def _check_options(config: DictConfig):
+    """A run's options checked before Hydra makes its folder, as a sweep's jobs are: a value
+    validate() refuses left a folder holding only .hydra/ and run.log. Hydra's node is set
+    for ${hydra:...} in them as Hydra sets it for the run next (on a copy: that makes the
+    node read-only), and set back after, as Hydra does after a run."""
+    run = copy.deepcopy(config)
+    with open_dict(run):
+        del run["hydra"]
+    before = HydraConfig.instance().cfg
+    HydraConfig.instance().set_config(copy.deepcopy(config))
+    try:
+        _configured(run, Path(config.hydra.run.dir), config.hydra, config.hydra.overrides.task, say=False)
+    finally:
+        HydraConfig.instance().cfg = before
+
+
 def _sweep_checkpoint(run_dir: Path, hydra: DictConfig) -> str:
     """A sweep's job whose folder holds checkpoints goes on from them: the sweep, stopped,
     was started again in its folder, whose jobs it checked as its own (_refuse_another_jobs)."""
@@ -111,7 +128,7 @@ def _take_options(cfg: TrainConfig, path: str, keys, hydra: DictConfig, task, sa
         del defaults["hydra"]
     choices = given(task)
     named = given_options(cfg, {*choices, *chosen_keys(choices)}, expand_paths(OmegaConf.to_object(defaults)))
-    changed = given_changes(cfg, written, keys, named)
+    changed = {key: values for key, values in given_changes(cfg, written, keys, named).items() if read_by(cfg, key)}
     if changed and say:
         log.info("this command changes the options of the run that wrote %s: %s", path,
                  " ".join(f"{key}={now} (was {then})" for key, (then, now) in changed.items()))
@@ -221,32 +238,40 @@ class RunDirectory(Callback):
         named = "hydra.run.dir" in given(config.hydra.overrides.hydra)
         if config.mode == "train" and config.trainer.resume:
             named = _continue_in_its_folder(config) or named
+        if named and _is_main():  # the ranks of a torchrun job share the folder, whose results rank 0 writes
+            _refuse_another_runs(Path(config.hydra.run.dir), config)
+        _check_options(config)
         if not named:
-            _new_folder(config, "run")
+            _new_folder(config, "run")  # new, and so nobody's
         else:
             _make(config.hydra.run.dir, "hydra.run.dir")
-        if _is_main():  # the ranks of a torchrun job share the folder, whose results rank 0 writes
-            _refuse_another_runs(Path(config.hydra.run.dir), config)
+        if _is_main():
             _hold(config.hydra.run.dir)
 
     @_stops_the_run
     def on_multirun_start(self, config: DictConfig, **kwargs):
         _expand_home(config, "sweep")
-        if "hydra.sweep.dir" not in given(config.hydra.overrides.hydra):
+        named = "hydra.sweep.dir" in given(config.hydra.overrides.hydra)
+        if not named:
             _validate_jobs(config)
             _new_folder(config, "sweep")
-            _hold(config.hydra.sweep.dir)
-            with open_dict(config):  # the launcher composes each job's configuration again from these
-                config.hydra.overrides.hydra.append(override("hydra.sweep.dir", config.hydra.sweep.dir, shell=False))
-            return
-        sweep = Path(config.hydra.sweep.dir)
-        jobs = _validate_jobs(config, named=True)  # their folders; None for a sweeper that chooses them as it goes
-        for job in sorted(sweep.iterdir()) if sweep.is_dir() else ():
-            if job.is_dir() and (jobs is None or job not in jobs) and other_run(job, ""):
-                raise _another_sweeps(sweep, job)
-        _make(config.hydra.sweep.dir, "hydra.sweep.dir")
+        else:
+            sweep = Path(config.hydra.sweep.dir)
+            jobs = _validate_jobs(config, named=True)  # their folders; None for a sweeper that chooses them as it goes
+            for job in sorted(sweep.iterdir()) if sweep.is_dir() else ():
+                if job.is_dir() and (jobs is None or job not in jobs) and other_run(job, ""):
+                    raise _another_sweeps(sweep, job)
+            _make(config.hydra.sweep.dir, "hydra.sweep.dir")
         _hold(config.hydra.sweep.dir)
-        (Path(config.hydra.sweep.dir) / JOBS).unlink(missing_ok=True)  # an earlier attempt's, in a folder named again
+        if named:
+            (Path(config.hydra.sweep.dir) / JOBS).unlink(missing_ok=True)  # an earlier attempt's
+        # the launcher composes each job's configuration again from these: the folder made (or with ~ expanded),
+        # absolute, as a job under hydra.job.chdir=true reads it from its own folder
+        with open_dict(config):
+            config.hydra.sweep.dir = os.path.abspath(config.hydra.sweep.dir)
+            config.hydra.overrides.hydra = [
+                *(o for o in config.hydra.overrides.hydra if not o.lstrip("+~").startswith("hydra.sweep.dir=")),
+                override("hydra.sweep.dir", config.hydra.sweep.dir, shell=False)]
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs):
         if config.hydra.mode != RunMode.MULTIRUN:
@@ -323,29 +348,34 @@ def _validate_jobs(config: DictConfig, named: bool = False):
 def _refuse_another_jobs(folder: Path, job_config: DictConfig, config: DictConfig, number: int, job: list[str]):
     """A sweep's job continues in its folder only its own earlier attempt: the same sweep
     run again in its folder (hydra.sweep.dir) after it was stopped goes on with each job
-    from its newest checkpoint (_configured), and starts the jobs that had not run. A
-    folder with another run's records, or with this job's records and no checkpoint (it was
-    stopped before its first), is refused."""
+    from its newest checkpoint (_configured), starts the jobs that had not run, and runs
+    those of another mode (plan, eval, export) again, which write the same results. A folder
+    with another run's records, or with this job's records and no checkpoint (it ended
+    before its first), is refused, and so is a file where the job's folder would be."""
+    shown = f"sweep job {number} ({_shown(job)})"
+    if folder.exists() and not folder.is_dir():  # Hydra's launcher failed on it after the jobs before it had run
+        raise ConfigError(f"{shown} runs in {folder}, which is a file: move it, or give the sweep a folder of its own "
+                          "(hydra.sweep.dir=...)")
     if not other_run(folder, ""):
         return
     sweep = Path(config.hydra.sweep.dir)
     if folder.parent != sweep:  # hydra.sweep.subdir=. or a path elsewhere: a run's folder
         return _refuse_another_runs(folder, job_config)
-    if _started_as(folder, config) != job:
+    if config.hydra.output_subdir is None:
+        raise ConfigError(f"{sweep} holds a sweep's jobs, and under hydra.output_subdir=null their folders keep no "
+                          f"record of their overrides to go on by: give this sweep a folder of its own "
+                          f"(hydra.sweep.dir=...), or continue a job's run alone ({override('trainer.resume', folder)})")
+    started = _started_as(folder, config)
+    if started is None or sorted(started) != sorted(job):  # in another order, the same job
         raise _another_sweeps(sweep, folder)
-    shown = f"sweep job {number} ({_shown(job)})"
-    if job_config.mode != "train":
-        raise ConfigError(f"{shown} has its results in {folder} already: mode={job_config.mode} would write them again; "
-                          f"remove {folder} to run it again, or give the sweep a folder of its own (hydra.sweep.dir=...)")
-    if not saved(folder / "checkpoints"):
-        raise ConfigError(f"{shown} was stopped before its first checkpoint, and {folder} holds its records: remove "
-                          f"{folder}, then run the sweep again to start that job anew")
+    if job_config.mode == "train" and not saved(folder / "checkpoints"):
+        raise ConfigError(f"{shown} ended before its first checkpoint (stopped, or failed: {folder / 'run.log'} says "
+                          f"why), and {folder} holds its records: remove {folder}, then run the sweep again to start "
+                          "that job anew")
 
 
 def _started_as(folder: Path, config: DictConfig) -> list[str] | None:
     """The overrides a sweep's job in `folder` was started with (Hydra's record of them), or None."""
-    if config.hydra.output_subdir is None:
-        return None
     try:
         return list(OmegaConf.load(folder / config.hydra.output_subdir / "overrides.yaml"))
     except (OSError, OmegaConfBaseException, TypeError):  # none there, or not a list
@@ -508,7 +538,7 @@ def _where_to_continue(cfg: DictConfig, run_dir: Path, hydra: DictConfig) -> str
 def _sweep_goes_on(run_dir: Path, hydra: DictConfig) -> str:
     """How a sweep whose job in run_dir stopped goes on: its command run again in its folder,
     once that job's records are removed where it has no checkpoint to continue from."""
-    again = (f"run the sweep's command again with {override('hydra.sweep.dir', os.path.abspath(hydra.sweep.dir))}: "
+    again = (f"run the sweep's command again with {override('hydra.sweep.dir', hydra.sweep.dir)}: "
              "each job goes on from its newest checkpoint, and the jobs not yet run start")
     found = saved(run_dir / "checkpoints")
     if found:
@@ -528,14 +558,16 @@ def _world() -> int:
     return ranks()[1]
 
 
-def _once_there_is_room(cfg: DictConfig, run_dir: Path, hydra: DictConfig) -> str:
-    """What to do after a file could not be written (a full disk): a training run continues
-    from its newest checkpoint, if it has one; a sweep's job, with its sweep."""
+def _once_there_is_room(e: WriteError, cfg: DictConfig, run_dir: Path, hydra: DictConfig) -> str:
+    """What to do after a file could not be written: make room (a full disk) or make it
+    writable, then a training run continues from its newest checkpoint, if it has one; a
+    sweep's job, with its sweep."""
+    mend = "make room there" if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else "make it writable"
     if cfg.mode != "train":
-        return "; make room there, then run the command again"
+        return f"; {mend}, then run the command again"
     if hydra.mode == RunMode.MULTIRUN:
-        return f"; make room there, then {_sweep_goes_on(run_dir, hydra)}"
-    return f"; make room there, then {_continue_from_newest(run_dir) or f'remove {run_dir} and run the command again'}"
+        return f"; {mend}, then {_sweep_goes_on(run_dir, hydra)}"
+    return f"; {mend}, then {_continue_from_newest(run_dir) or f'remove {run_dir} and run the command again'}"
 
 
 class LogFile(logging.FileHandler):
@@ -625,7 +657,7 @@ def main(dict_cfg: DictConfig):
         cfg = _configured(dict_cfg, run_dir, HydraConfig.get(), HydraConfig.get().overrides.task)
         MODES[cfg.mode](cfg, run_dir)
     except TrainerError as e:
-        why = f"{e}{_once_there_is_room(dict_cfg, run_dir, HydraConfig.get()) if isinstance(e, WriteError) else ''}"
+        why = f"{e}{_once_there_is_room(e, dict_cfg, run_dir, HydraConfig.get()) if isinstance(e, WriteError) else ''}"
         log.error("%s", why)
         if HydraConfig.get().mode == RunMode.MULTIRUN and not isinstance(e, WriteError):
             return JobFailed(why)  # the sweep goes on to its next job

@@ -220,16 +220,18 @@ _CHOICES = {
     "dist.backend": ("auto", "nccl", "gloo"),
     "data.tta": (0, 1, 2),
 }
-_POSITIVE = ("model.logit_scale", "trainer.epochs", "trainer.batch_size", "data.resolution", "data.num_classes",
+_POSITIVE = ("model.logit_scale", "optimizer.lars_eta", "trainer.epochs", "trainer.batch_size", "data.resolution", "data.num_classes",
              "trainer.log_every", "optimizer.eps", "trainer.grad_scale_init", "trainer.grad_scale_growth_interval",
              "trainer.ema_every", "trainer.eval_every", "trainer.keep_checkpoints", "dist.deep_conv_buckets", "dist.timeout_s",
              "bench.steps", "bench.profile_rows", "optimizer.newton_schulz_steps", "schedule.power")
 _NON_NEGATIVE = ("model.head_std", "optimizer.lr", "optimizer.muon_lr", "trainer.ema_warmup_power", "data.threads",
-                 "optimizer.weight_decay", "optimizer.bias_lr_scale", "optimizer.lars_eta", "trainer.val_batch_size",
+                 "optimizer.weight_decay", "optimizer.bias_lr_scale", "trainer.val_batch_size",
                  "trainer.lowres_epochs", "trainer.checkpoint_every",
                  "trainer.stop_after_epoch", "schedule.warmup_epochs", "data.train_size", "data.val_size",
                  "data.crop_padding", "data.cutout", "bench.warmup", "bench.profile", "optimizer.nominal_batch",
                  "dist.plan_ranks")
+FP32_MAX = 3.4028234663852886e38
+EPOCHS_MAX = 1e12  # an epoch count (a run's, a warm-up's, a freeze's) whose steps stay within int64
 _FRACTIONS = ("optimizer.momentum", "optimizer.muon_momentum", "optimizer.beta2", "ema_decay", "trainer.label_smoothing",
               "schedule.final_fraction", "schedule.warmup_start_fraction")
 _CLOSED_FRACTIONS = ("data.host_decode",)
@@ -372,6 +374,18 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for key in _NON_NEGATIVE:
         if _get(cfg, key) < 0:
             raise ConfigError(f"{key}={_get(cfg, key)} must not be negative")
+    for key, value in options(cfg).items():  # the fp32 scalars and int64 step counts they become
+        if isinstance(value, float) and math.isfinite(value) and abs(value) > (
+                EPOCHS_MAX if key.endswith("epochs") else FP32_MAX):
+            raise ConfigError(f"{key}={value:g} is too large: " + (
+                f"at most {EPOCHS_MAX:g} epochs" if key.endswith("epochs") else "fp32 holds at most 3.4e+38"))
+    if cfg.fold_bn and cfg.model.name == "fastnet":  # checked here too, for a sweep's jobs before the first
+        raise ConfigError("fold_bn=true folds each BatchNorm's weight into its scale, and model=fastnet's BatchNorms "
+                          "learn only their bias: use fold_bn=false, or a ResNet")
+    if cfg.amp and cfg.amp_dtype == "fp16" and cfg.trainer.grad_scale_init < 1:
+        raise ConfigError(f"trainer.grad_scale_init={cfg.trainer.grad_scale_init:g} must be at least 1: fp16 "
+                          "gradients scaled down underflow to zero, and the scale grows back only every "
+                          "trainer.grad_scale_growth_interval steps")
     if cfg.data.threads > 1024:  # DALI aborts the process, without a message, when it cannot start them
         raise ConfigError(f"data.threads={cfg.data.threads}: at most 1024 threads a rank (0: this host's cores)")
     for key in _FRACTIONS:
@@ -464,6 +478,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if not cfg.schedule.gamma >= 0:
         raise ConfigError(f"schedule.gamma={cfg.schedule.gamma} must not be negative: the learning rate would turn "
                           "negative and climb the loss")
+    if any(isinstance(m, bool) or not isinstance(m, (int, float)) for m in cfg.schedule.milestones):
+        raise ConfigError(f"schedule.milestones={cfg.schedule.milestones}: each is a number of epochs")
     if any(math.isnan(m) for m in cfg.schedule.milestones):
         raise ConfigError(f"schedule.milestones={cfg.schedule.milestones}: nan is not a number of epochs")
     if any(not m >= 0 for m in cfg.schedule.milestones):
@@ -490,7 +506,10 @@ def refused_override(overrides: list[str]) -> str | None:
     ends in advice on tracebacks, exit 1); None where there is none."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
+    if {"-sc", "--shell-completion"} & set(overrides):  # its install=bash, query=bash are Hydra's to read
+        return None
     parser, known, schema = OverridesParser.create(), set(options(TrainConfig())), None
+    multirun = bool({"-m", "--multirun", "hydra.mode=MULTIRUN"} & set(overrides))
     # group options may also come from another folder of configs, which Hydra searches
     elsewhere = any(text.lstrip("+").startswith(("--config-dir", "-cd", "--config-path", "-cp", "hydra.searchpath"))
                     for text in overrides)
@@ -512,6 +531,10 @@ def refused_override(overrides: list[str]) -> str | None:
         if override.package is not None or override.is_delete() or override.is_hydra_override() \
                 or key.startswith("compile_options."):
             continue
+        if override.is_sweep_override() and not multirun:  # Hydra's "Ambiguous value", in six lines
+            return (f"{text} sweeps over values, which only a sweep runs: add -m (--multirun) for a job each"
+                    + (f", or give a list in brackets: {key}='[...]'" if isinstance(
+                        options(TrainConfig()).get(key), list) else ""))
         try:
             values = list(override.sweep_iterator()) if override.is_sweep_override() else [override.value()]
         except HydraException:  # an interval, or a glob over a group's options: Hydra's sweeper reads them

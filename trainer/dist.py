@@ -183,6 +183,9 @@ def launch_overrides(argv: list[str], env=os.environ) -> list[str]:
     resumes a run goes on in that run's folder, as a single process does (trainer/app.py)."""
     if not launched(env):
         return []
+    if {"-m", "--multirun"} & set(argv):  # each rank swept on its own, and the second job set up NCCL again
+        raise ConfigError("a sweep (-m) does not run under torchrun, whose job is one run: start a torchrun job for "
+                          "each of the sweep's runs, or sweep with one process")
     out, args = [], given(argv)
     if "hydra.run.dir" not in args:
         resume = os.path.expanduser(args.get("trainer.resume", "").strip("'\""))  # as Hydra and the config read it

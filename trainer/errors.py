@@ -22,7 +22,12 @@ class CheckpointError(TrainerError):
 
 
 class WriteError(TrainerError):
-    """A file the run cannot write (a full disk, a folder made read-only); the message names it."""
+    """A file the run cannot write (a full disk, a folder made read-only); the message names it.
+    `errno`: the write's, which says what to do (make room, or make the folder writable)."""
+
+    def __init__(self, message: str, errno: int | None = None):
+        super().__init__(message)
+        self.errno = errno
 
 
 class DivergedError(TrainerError):

@@ -94,7 +94,7 @@ class MetricsLog:
         except OSError as e:
             with contextlib.suppress(OSError):  # a file system made read-only refuses this too
                 self.file.truncate(end)
-            raise WriteError(f"cannot write {self.path} ({e.strerror or e})") from None
+            raise WriteError(f"cannot write {self.path} ({e.strerror or e})", e.errno) from None
 
     def close(self):
         self.poll(wait_through=float("inf"))

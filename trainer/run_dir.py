@@ -93,7 +93,7 @@ def writing(path: Path, advice: str = ""):
             raise failed from None  # Ctrl-C or SIGTERM mid-write, over which torch's writer, closing, raised its own
         if not isinstance(failed, OSError):
             raise
-        raise WriteError(f"cannot write {path} ({failed.strerror or failed}){advice}") from None
+        raise WriteError(f"cannot write {path} ({failed.strerror or failed}){advice}", failed.errno) from None
 
 
 def agent_started_at() -> float | None:
