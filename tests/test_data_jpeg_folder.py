@@ -222,6 +222,14 @@ def test_hidden_folders_and_files_are_not_classes_or_images(tree):
     build_sources(config(tree), CPU, 0, 1, None)
 
 
+def test_a_link_to_an_image_that_is_not_there_is_named(tree):
+    """It was left out without a word: the run trained on fewer images than the folder shows."""
+    (tree / "train" / "apple" / "9.jpg").symlink_to(tree / "gone.jpg")
+    with pytest.raises(DataError, match=f"^{tree / 'train' / 'apple' / '9.jpg'} is a link to a file that is not "
+                                        "there: restore its target, or remove the link$"):
+        dataset_sizes(config(tree).data)
+
+
 def test_empty_class_folder(tree):
     for f in (tree / "val" / "mango").iterdir():
         f.unlink()

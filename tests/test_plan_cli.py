@@ -84,6 +84,12 @@ BAD = {
                                                       "3.4e+38", True),
     "epochs-beyond-any-run": (["schedule.warmup_epochs=1e300"], "schedule.warmup_epochs=1e+300 is too large: at most "
                                                                 "1e+12 epochs", True),
+    # Hydra's seven lines, or its traceback ("must be a string or a list"), exit 1
+    "a-key-deleted": (["~trainer.epochs"], "~trainer.epochs: a key of trainer cannot be removed; give it another "
+                                           "value instead (trainer.epochs=...)", True),
+    "a-group-deleted": (["~model"], "~model: a run needs its model; choose another with model=... (one of conf/model/)",
+                        True),
+    "a-group-of-null": (["model=null"], "model=null: choose one of cifar_resnet20, ", True),
     # every step of the weight block zero: a finished run at chance, without a word
     "lars-without-trust": (["optimizer=lars", "optimizer.lars_eta=0"], "optimizer.lars_eta=0.0 must be positive", True),
     "loss-scale-below-one": (["amp=true", "trainer.grad_scale_init=1e-6"], "trainer.grad_scale_init=1e-06 must be at "

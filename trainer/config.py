@@ -528,6 +528,11 @@ def refused_override(overrides: list[str]) -> str | None:
                                                        or override.is_delete() or elsewhere):
             return (f"{text}: compile_options starts empty, and takes an inductor option given with a + in front "
                     f"(+{text})")
+        if override.is_delete() and override.package is None and not elsewhere and (
+                "." in key and key in known or key in GROUPS and _chosen_by_name(key)):  # Hydra's seven lines
+            return (f"{text}: a run needs its {key}; choose another with {key}=... (one of conf/{key}/)" if key in GROUPS
+                    else f"{text}: a key of {key.rsplit('.', 1)[0]} cannot be removed; give it another value instead "
+                         f"({key}=...)")
         if override.package is not None or override.is_delete() or override.is_hydra_override() \
                 or key.startswith("compile_options."):
             continue
@@ -545,7 +550,9 @@ def refused_override(overrides: list[str]) -> str | None:
             have = sorted(path.stem for path in (CONF / key).glob("*.yaml"))
             for value in values:
                 name = value.removesuffix(".yaml") if isinstance(value, str) else None  # Hydra takes either
-                if name is not None and name not in have:
+                if name is None:  # null, a number: Hydra's traceback ("must be a string or a list")
+                    return f"{text}: choose one of {', '.join(have)} (conf/{key}/)"
+                if name not in have:
                     near = difflib.get_close_matches(name, have, n=1, cutoff=0.6)
                     return (f"{text}: conf/{key}/ has no {name}.yaml; choose one of {', '.join(have)}"
                             + (f" (did you mean {override.get_key_element()}={near[0]}?)" if near else ""))
@@ -562,6 +569,15 @@ def refused_override(overrides: list[str]) -> str | None:
             except (OmegaConfBaseException, ValueError) as e:
                 return f"{text}: {first_line(e)}"
     return None
+
+
+def _chosen_by_name(group: str) -> bool:
+    """Whether the schema leaves the group's name to its choice (model, optimizer), which
+    removing the choice (~model) leaves missing; ~schedule and ~data fall back to the schema's.
+    A root key removed (~ema) takes the schema's default; one in a group's node (~trainer.epochs)
+    cannot be removed."""
+    schema = OmegaConf.structured(TrainConfig)
+    return group in schema and OmegaConf.is_missing(schema[group], "name")  # experiment: a preset, no node
 
 
 def first_line(e: Exception) -> str:

@@ -77,8 +77,14 @@ def _list_files(folder: Path, classes: list[str]) -> tuple[list[str], np.ndarray
     files, labels = [], []
     for k, name in enumerate(classes):
         # not hidden ones: macOS's copies keep a file's attributes beside it as ._NAME.jpg, which is no image
-        jpegs = sorted(e.name for e in os.scandir(folder / name)
-                       if e.is_file() and e.name.lower().endswith(IMAGE_SUFFIXES) and not e.name.startswith("."))
+        images = [e for e in os.scandir(folder / name)
+                  if e.name.lower().endswith(IMAGE_SUFFIXES) and not e.name.startswith(".")]
+        broken = sorted(e.name for e in images if e.is_symlink() and not e.is_file())
+        if broken:  # left out without a word, the run trained on fewer images than the folder shows
+            raise DataError(f"{printable(folder / name / broken[0])} is a link to a file that is not there"
+                            f"{f' (and {len(broken) - 1} more in its folder)' if broken[1:] else ''}: restore its "
+                            "target, or remove the link")
+        jpegs = sorted(e.name for e in images if e.is_file())
         if not jpegs:  # what it holds instead: images in subfolders are not read (not a class's)
             held = sorted(e.name + "/" if e.is_dir() else e.name for e in os.scandir(folder / name))
             found = f" but {', '.join(held[:4])}{' ...' if len(held) > 4 else ''}" if held else ""
