@@ -375,10 +375,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         if _get(cfg, key) < 0:
             raise ConfigError(f"{key}={_get(cfg, key)} must not be negative")
     for key, value in options(cfg).items():  # the fp32 scalars and int64 step counts they become
-        if isinstance(value, float) and math.isfinite(value) and abs(value) > (
-                EPOCHS_MAX if key.endswith("epochs") else FP32_MAX):
-            raise ConfigError(f"{key}={value:g} is too large: " + (
-                f"at most {EPOCHS_MAX:g} epochs" if key.endswith("epochs") else "fp32 holds at most 3.4e+38"))
+        epochs = key.endswith("epochs")
+        if isinstance(value, float) and math.isfinite(value) and abs(value) > (EPOCHS_MAX if epochs else FP32_MAX):
+            raise ConfigError(f"{key}={value:g} is too large: "
+                              + (f"at most {EPOCHS_MAX:g} epochs" if epochs else f"fp32 holds at most {FP32_MAX:.2g}"))
     if cfg.fold_bn and cfg.model.name == "fastnet":  # checked here too, for a sweep's jobs before the first
         raise ConfigError("fold_bn=true folds each BatchNorm's weight into its scale, and model=fastnet's BatchNorms "
                           "learn only their bias: use fold_bn=false, or a ResNet")
@@ -508,7 +508,8 @@ def refused_override(overrides: list[str]) -> str | None:
     from hydra.errors import HydraException
     if {"-sc", "--shell-completion"} & set(overrides):  # its install=bash, query=bash are Hydra's to read
         return None
-    parser, known, schema = OverridesParser.create(), set(options(TrainConfig())), None
+    parser, defaults, schema = OverridesParser.create(), options(TrainConfig()), None
+    known = set(defaults)
     multirun = bool({"-m", "--multirun", "hydra.mode=MULTIRUN"} & set(overrides))
     # group options may also come from another folder of configs, which Hydra searches
     elsewhere = any(text.lstrip("+").startswith(("--config-dir", "-cd", "--config-path", "-cp", "hydra.searchpath"))
@@ -538,8 +539,7 @@ def refused_override(overrides: list[str]) -> str | None:
             continue
         if override.is_sweep_override() and not multirun:  # Hydra's "Ambiguous value", in six lines
             return (f"{text} sweeps over values, which only a sweep runs: add -m (--multirun) for a job each"
-                    + (f", or give a list in brackets: {key}='[...]'" if isinstance(
-                        options(TrainConfig()).get(key), list) else ""))
+                    + (f", or give a list in brackets: {key}='[...]'" if isinstance(defaults.get(key), list) else ""))
         try:
             values = list(override.sweep_iterator()) if override.is_sweep_override() else [override.value()]
         except HydraException:  # an interval, or a glob over a group's options: Hydra's sweeper reads them
