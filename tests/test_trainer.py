@@ -120,6 +120,26 @@ def train(tmp_path, *overrides):
     return trainer
 
 
+def test_an_epoch_that_skipped_every_update_in_fp16_is_said_and_its_rows_count_them(tmp_path, caplog):
+    """A loss scale far above fp16's range overflows every step's gradients and halves once
+    a step: the run trained nothing, where it used to end as if it had. Each epoch's row
+    counts its skipped updates and gives the loss scale it ended on; an epoch that skipped
+    them all is said. At the usual scale the rows count the few skipped ones, unsaid."""
+    with caplog.at_level("WARNING", logger="trainer"):
+        trainer = train(tmp_path / "high", "trainer.epochs=2", "amp=true", "amp_dtype=fp16", "trainer.grad_scale_init=1e38")
+    rows = trainer.history
+    assert [r["skipped_steps"] for r in rows] == [16, 16]
+    assert rows[1]["loss_scale"] == pytest.approx(1e38 / 2 ** 32, rel=1e-6)
+    assert "epoch 2 skipped 16 of its 16 updates: their gradients were not finite in fp16 at every loss scale tried, " \
+           "down to 2.33e+28 now" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="trainer"):
+        trainer = train(tmp_path / "usual", "trainer.epochs=1", "amp=true", "amp_dtype=fp16")
+    row = trainer.history[0]
+    assert row["skipped_steps"] < 16 and row["loss_scale"] == 2.0 ** 16 / 2 ** row["skipped_steps"]
+    assert "skipped" not in caplog.text
+
+
 def test_epochs_between_evaluations_are_recorded_in_order(tmp_path):
     """An epoch without evaluation or checkpoint is read only after the next one is queued:
     every epoch still gets its row, in order, with its own training metrics."""
@@ -623,8 +643,16 @@ def test_an_interrupted_torchrun_job_is_told_to_continue_under_torchrun_with_its
 
 
 @pytest.mark.parametrize("overrides, said", [
-    (["schedule=poly"], "schedule.warmup_epochs=5 is not shorter than trainer.epochs=2: the learning rate climbs "
-                        "through the whole run and never reaches its peak"),
+    (["schedule=poly"], r"schedule.warmup_epochs=5 is 80 steps, not fewer than the run's 32 \(trainer.epochs=2\): the "
+                        "learning rate climbs through the whole run and never reaches its peak"),
+    # rounded to whole steps as the schedule rounds it: 31.84 steps of warm-up are all 32
+    (["schedule.warmup_epochs=1.99"], r"schedule.warmup_epochs=1.99 is 32 steps, not fewer than the run's 32"),
+    (["schedule.warmup_epochs=1.9"], None),
+    (["schedule=step", "schedule.milestones=[1.99]"], r"schedule.milestones=\[1.99\] fall after the run's end"),  # step 31.84: after the last, 31
+    (["schedule=step", "schedule.milestones=[1.9]"], None),
+    (["ema=true", "trainer.ema_every=32"], "trainer.ema_every=32 is not fewer than the run's 32 steps: the average is "
+                                           "updated at the first step alone"),
+    (["ema=true", "trainer.ema_every=31"], None),
     (["schedule=step"], r"schedule.milestones=\[30.0, 60.0, 80.0\] fall after the run's end \(trainer.epochs=2\): the "
                         "learning rate stays at its peak"),
     (["schedule=step", "schedule.milestones=[1,30]"], None),
@@ -645,7 +673,7 @@ def test_what_is_set_for_a_longer_run_is_said_before_training(tmp_path, caplog, 
     from trainer.loop import Trainer
     with caplog.at_level("WARNING", logger="trainer"):
         Trainer(config(*TINY, "trainer.epochs=2", *overrides), tmp_path, Dist())
-    assert re.search(said, caplog.text) if said else "trainer.epochs=2" not in caplog.text, caplog.text
+    assert re.search(said, caplog.text) if said else not caplog.records, caplog.text
 
 
 def test_a_resume_on_another_schedule_length_says_where_the_learning_rate_moves(tmp_path, caplog):

@@ -668,17 +668,25 @@ def freeze_epochs(cfg: TrainConfig) -> dict[str, float]:
     return {"first_conv": cfg.trainer.first_conv_freeze_epochs, "stem_norm": cfg.trainer.stem_norm_freeze_epochs}
 
 
-def unreached(cfg: TrainConfig) -> list[str]:
-    """What a run never reaches of what its options set for later epochs, said before it
-    trains: a preset's warm-up (schedule=poly's 5 epochs) or milestones (schedule=step's 30,
-    60, 80), low-resolution epochs or a freeze set for a longer run than this one."""
+def unreached(cfg: TrainConfig, per_epoch: int, steps: int) -> list[str]:
+    """What a run of `steps` steps, `per_epoch` an epoch, never reaches of what its options
+    set for later, said before it trains: a preset's warm-up (schedule=poly's 5 epochs) or
+    milestones (schedule=step's 30, 60, 80), an EMA update interval, low-resolution epochs or
+    a freeze set for a longer run than this one. Warm-up, milestones and EMA are counted in
+    steps, as the schedule rounds them: 0.9 epochs of warm-up in a run of one 4-step epoch
+    is all 4 steps."""
     s, t, out = cfg.schedule, cfg.trainer, []
-    if s.warmup_epochs >= t.epochs:
-        out.append(f"schedule.warmup_epochs={s.warmup_epochs:g} is not shorter than trainer.epochs={t.epochs:g}: the "
-                   f"learning rate climbs through the whole run and never reaches its peak")
-    if s.name == "step" and s.milestones and min(s.milestones) >= t.epochs:
+    warmup = round(s.warmup_epochs * per_epoch)
+    if warmup and warmup >= steps:
+        out.append(f"schedule.warmup_epochs={s.warmup_epochs:g} is {warmup} steps, not fewer than the run's {steps} "
+                   f"(trainer.epochs={t.epochs:g}): the learning rate climbs through the whole run and never reaches its "
+                   f"peak")
+    if s.name == "step" and s.milestones and min(s.milestones) * per_epoch > steps - 1:
         out.append(f"schedule.milestones={list(s.milestones)} fall after the run's end (trainer.epochs={t.epochs:g}): the "
                    f"learning rate stays at its peak")
+    if cfg.ema and t.ema_every >= steps > 1:  # the average is updated at steps 0, ema_every, 2 ema_every, ...
+        out.append(f"trainer.ema_every={t.ema_every} is not fewer than the run's {steps} steps: the average is updated at "
+                   f"the first step alone, and evaluation, the checkpoints and an export carry the weights after it")
     if t.lowres_epochs >= t.epochs:
         out.append(f"trainer.lowres_epochs={t.lowres_epochs} is not fewer than trainer.epochs={t.epochs:g}: the run never "
                    f"trains at data.resolution={cfg.data.resolution}, which it is evaluated at")

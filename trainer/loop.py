@@ -63,7 +63,7 @@ class Trainer:
         self.model, self.plans, self.arena, self.ops, self.executor = e.model, e.plans, e.arena, e.ops, e.executor
         self.per_epoch = e.per_epoch
         self.total_steps = self.plans.main.config.schedule_steps
-        for why in [*ignored(cfg), *unreached(cfg)] if dist.is_main and not (evaluate_only or t.resume) else []:
+        for why in [*ignored(cfg), *unreached(cfg, self.per_epoch, self.total_steps)] if dist.is_main and not (evaluate_only or t.resume) else []:
             log.warning("%s", why)  # once, as the run starts: not again on a resume or torchrun's restart
         self.feeder = DoubleBuffer(self.arena, self.plans.tensors)
         self.meta = checkpoint.identity(cfg)
@@ -212,11 +212,14 @@ class Trainer:
                                   results, a.to_host_async(self.plans.main[B.LR_WEIGHT]))
                 self._check_finite(block=False)
 
+        before = self._updates()
         start = self._event()
         self.run_steps(steps, self.train_source, on_step)
         end = self._event()
         self.dist.all_sum_(self.ops.s[B.TRAIN_SUMS])
         sums = a.to_host_async(self.plans.main[B.TRAIN_SUMS])  # copied out before the next epoch resets them
+        after = self._updates()
+        scale = a.to_host_async(self.plans.main[B.LOSS_SCALE]) if self.ops.dynamic_scale else None
         self.images += sum(v.batch for v in steps) * self.dist.world
 
         def result() -> dict:
@@ -225,8 +228,31 @@ class Trainer:
             loss, top1, top5, count = sums.get().tolist()
             self._check_loss(loss / count)
             return {"epoch": epoch + 1, "train_loss": loss / count, "train_top1": top1 / count,
-                    "train_top5": top5 / count}
+                    "train_top5": top5 / count, **self._skipped(epoch, len(steps), before, after, scale)}
         return result
+
+    def _updates(self) -> tuple:
+        """The steps taken and the updates applied, copied out behind the work enqueued: a
+        step whose gradients were not finite skips its update."""
+        return tuple(self.arena.to_host_async(self.plans.main[b]) for b in (B.STEP, B.OPT_STEP))
+
+    def _skipped(self, epoch: int, steps: int, before: tuple, after: tuple, scale) -> dict:
+        """The epoch's updates skipped for gradients that were not finite, and under fp16 the
+        loss scale it ended on, for its row. Under fp16 a few skipped steps are the dynamic
+        scale finding its level; an epoch that skipped every one trained nothing (a
+        trainer.grad_scale_init far above fp16's range halves once a step), which is said.
+        Without a loss scale, every skipped step is said."""
+        (taken0, applied0), (taken, applied) = ([int(f.get()[0]) for f in pair] for pair in (before, after))
+        skipped = (taken - applied) - (taken0 - applied0)
+        row = {"skipped_steps": skipped} if scale is not None or skipped else {}
+        if scale is not None:
+            row["loss_scale"] = float(scale.get()[0])
+        if skipped and self.dist.is_main and (scale is None or skipped == steps):
+            log.warning("epoch %d skipped %d of its %d updates: their gradients were not finite%s", epoch + 1, skipped,
+                        steps, f" in fp16 at every loss scale tried, down to {row['loss_scale']:.3g} now (it halves "
+                        "at each overflow): start it lower (trainer.grad_scale_init) or use amp_dtype=bf16"
+                        if scale is not None else ": lower optimizer.lr or add a warm-up (schedule.warmup_epochs)")
+        return row
 
     def evaluate(self, warn: bool = True) -> dict:
         """The validation metrics. warn=False leaves the warning about a non-finite loss to

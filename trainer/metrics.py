@@ -80,8 +80,9 @@ class MetricsLog:
         if self.enabled:
             self._append(row)
             if self.log is not None:
-                self.log.info(" ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
-                                       for k, v in row.items()))
+                # four decimals for losses and accuracies; a loss scale (2^16 and up) in six digits
+                self.log.info(" ".join(f"{k} {v:.4f}" if isinstance(v, float) and abs(v) < 1e4 else
+                                       f"{k} {v:.6g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
 
     def _append(self, row: dict):
         """One line, whole or not at all: where a write fails (a full disk) the file is cut back
