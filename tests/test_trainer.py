@@ -648,7 +648,8 @@ def test_an_interrupted_torchrun_job_is_told_to_continue_under_torchrun_with_its
     # rounded to whole steps as the schedule rounds it: 31.84 steps of warm-up are all 32
     (["schedule.warmup_epochs=1.99"], r"schedule.warmup_epochs=1.99 is 32 steps, not fewer than the run's 32"),
     (["schedule.warmup_epochs=1.9"], None),
-    (["schedule=step", "schedule.milestones=[1.99]"], r"schedule.milestones=\[1.99\] fall after the run's end"),  # step 31.84: after the last, 31
+    # at step 31.84, after the last (31)
+    (["schedule=step", "schedule.milestones=[1.99]"], r"schedule.milestones=\[1.99\] fall after the run's end"),
     (["schedule=step", "schedule.milestones=[1.9]"], None),
     (["ema=true", "trainer.ema_every=32"], "trainer.ema_every=32 is not fewer than the run's 32 steps: the average is "
                                            "updated at the first step alone"),

@@ -63,7 +63,8 @@ class Trainer:
         self.model, self.plans, self.arena, self.ops, self.executor = e.model, e.plans, e.arena, e.ops, e.executor
         self.per_epoch = e.per_epoch
         self.total_steps = self.plans.main.config.schedule_steps
-        for why in [*ignored(cfg), *unreached(cfg, self.per_epoch, self.total_steps)] if dist.is_main and not (evaluate_only or t.resume) else []:
+        said = dist.is_main and not (evaluate_only or t.resume)
+        for why in [*ignored(cfg), *unreached(cfg, self.per_epoch, self.total_steps)] if said else []:
             log.warning("%s", why)  # once, as the run starts: not again on a resume or torchrun's restart
         self.feeder = DoubleBuffer(self.arena, self.plans.tensors)
         self.meta = checkpoint.identity(cfg)
