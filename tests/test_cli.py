@@ -2,6 +2,7 @@
 a sweep's jobs take, and the messages for what Hydra or OmegaConf refuse."""
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -92,7 +93,9 @@ def test_a_sweep_stopped_part_way_goes_on_in_its_folder(tmp_path, how):
     other = run(sweep, *SWEEP[:-1], "trainer.seed=2,1,3", multirun=True)
     assert other.returncode == 2 and other.stderr == (
         f"{sweep} holds another sweep's jobs (0/ has its checkpoints or results): give this sweep a folder of its own "
-        "(hydra.sweep.dir=...); a sweep goes on in its folder only with the command line it was started with\n")
+        "(hydra.sweep.dir=...); a sweep goes on in its folder only with the command line it was started with, but "
+        "for trainer.stop_after_epoch and the machine's options (data.threads, data.decode_cache, compile_cache, "
+        "dist.timeout_s)\n")
     assert {p: p.read_bytes() for p in sweep.rglob("*") if p.is_file()} == before
     again = run(sweep, *SWEEP, multirun=True)
     assert again.returncode == 0, again.stdout + again.stderr
@@ -132,6 +135,21 @@ def test_a_sweep_goes_on_with_its_overrides_in_another_order_and_runs_its_other_
     again = run(sweep, "trainer.epochs=1", *SMALL, "mode=plan,train", multirun=True)
     assert again.returncode == 0, again.stdout + again.stderr
     assert (sweep / "0" / "plan.json").read_bytes() == plan and (sweep / "1" / "summary.json").read_bytes() == summary
+
+
+def test_a_sweep_stopped_by_stop_after_epoch_goes_on_with_a_later_stop_or_none(tmp_path):
+    """trainer.stop_after_epoch stops every job of a sweep as a preemption would; the sweep
+    run again without it (or with a later epoch), as the jobs' refusal of the same stop
+    advised, was refused as another sweep's. The machine's options may differ too."""
+    sweep = tmp_path / "sweep"
+    args = [*SMALL, "trainer.epochs=3", "trainer.seed=1,2"]
+    assert run(sweep, *args, "trainer.stop_after_epoch=1", multirun=True).returncode == 0
+    later = run(sweep, *args, "trainer.stop_after_epoch=2", "data.threads=1", multirun=True)
+    assert later.returncode == 0, later.stdout + later.stderr
+    assert run(sweep, *args, multirun=True).returncode == 0
+    for job in "01":
+        assert json.loads((sweep / job / "summary.json").read_text())["epochs"] == 3
+    assert sorted(p.name for p in (sweep / "0" / "checkpoints").iterdir()) == ["epoch_0002.pt", "epoch_0003.pt"]
 
 
 def test_a_sweep_kept_without_its_jobs_overrides_says_how_to_go_on(tmp_path):
@@ -205,6 +223,31 @@ def test_a_run_whose_data_set_moved_resumes_and_evaluates_given_data_root_alone(
     # export reads no image: the checkpoint's data.root, gone, is not looked at
     exported = run(tmp_path / "export", "mode=export", f"checkpoint={tmp_path / 'run'}")
     assert exported.returncode == 0 and (tmp_path / "export" / "model_state_dict.pt").exists(), exported.stderr
+
+
+def test_a_run_whose_last_evaluation_met_a_damaged_image_says_how_to_go_on_and_does_it(tmp_path):
+    """An image damaged in its middle passes the set-up's check and fails the evaluation:
+    the epoch was saved, but the message said only what was damaged, and a resume once it
+    was removed found nothing left to train, its summary without an evaluation for good."""
+    from trainer.data.make_jpeg_tree import main as make_jpeg_tree
+    make_jpeg_tree([str(tmp_path / "data"), "--classes", "2", "--per-class", "8", "--val-per-class", "2",
+                    "--size", "24x20", "--jobs", "1"])
+    damaged = sorted((tmp_path / "data" / "val").rglob("*.jpg"))[0]
+    data = bytearray(damaged.read_bytes())
+    data[300:-10] = b"\xab" * len(data[300:-10])
+    damaged.write_bytes(bytes(data))
+    options = ["data=imagefolder", "data.num_classes=2", "data.resolution=16", "trainer.batch_size=4",
+               f"data.root={tmp_path / 'data'}", "trainer.epochs=1"]
+    failed = run(tmp_path / "run", *options)
+    assert failed.returncode == 2
+    assert re.search(r"corrupt JPEG .*: cannot be decoded .*; once that is mended, continue from epoch_0001.pt with "
+                     rf"trainer.resume={tmp_path / 'run'} \(which takes this run's options from it\)", failed.stdout)
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["val_top1"] is None
+    damaged.unlink()
+    resumed = run(tmp_path / "run", f"trainer.resume={tmp_path / 'run'}")
+    assert resumed.returncode == 0, resumed.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["val_top1"] is not None and summary["val_epoch"] == 1
 
 
 def test_a_sweep_job_sent_into_another_runs_folder_is_refused_before_any_job_runs(tmp_path):

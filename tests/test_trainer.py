@@ -817,7 +817,8 @@ def test_evaluations_and_sweeps_keep_out_of_another_runs_folder(tmp_path, mode):
         "it a folder of its own (hydra.run.dir=...)" if mode == "eval" else
         f"{other.parent} holds another sweep's jobs (0/ has its checkpoints or results): give this sweep a folder "
         "of its own (hydra.sweep.dir=...); a sweep goes on in its folder only with the command line it was started "
-        "with")
+        "with, but for trainer.stop_after_epoch and the machine's options (data.threads, data.decode_cache, "
+        "compile_cache, dist.timeout_s)")
     assert list(other.iterdir()) == [other / "checkpoints"]  # nothing written beside them
 
 
@@ -881,6 +882,59 @@ def test_checkpoint_from_another_model_is_refused(tmp_path):
         train(tmp_path / "b", "trainer.epochs=1", "model=cifar_resnet20", f"trainer.resume={tmp_path / 'a'}")
     with pytest.raises(CheckpointError, match="optimizer"):
         train(tmp_path / "c", "trainer.epochs=1", "optimizer=lars", f"trainer.resume={tmp_path / 'a'}")
+
+
+def test_a_checkpoint_whose_layout_fits_but_whose_optimizer_or_half_type_differs_is_refused(tmp_path):
+    """Nesterov's and momentum's state, fp16's and bf16's compute weights lie alike in the
+    arena, and only a layout that differed was refused: a resume or an evaluation with
+    amp_dtype=fp16 read bf16's half weights as fp16 (evaluated at chance), and a resume with
+    optimizer=momentum trained on with nesterov's state, without a word."""
+    from trainer.loop import Trainer
+    bf16 = ["amp=true", "amp_dtype=bf16"]
+    train(tmp_path / "a", "trainer.epochs=1", *bf16)
+    resume = f"trainer.resume={tmp_path / 'a'}"
+    with pytest.raises(CheckpointError, match="optimizer: checkpoint 'nesterov', this run 'momentum'; leave those "
+                                              "options out: a resumed run takes them"):
+        Trainer(config(*TINY, "trainer.epochs=2", *bf16, "optimizer=momentum", resume), tmp_path / "b", Dist())
+    with pytest.raises(CheckpointError, match="amp_dtype: checkpoint 'bf16', this run 'fp16'"):
+        Trainer(config(*TINY, "trainer.epochs=2", "amp=true", "amp_dtype=fp16", resume), tmp_path / "c", Dist())
+    with pytest.raises(CheckpointError, match="amp_dtype: checkpoint 'bf16', this run 'fp16'; leave those options out: "
+                                              "evaluation and export take them"):
+        Trainer(config(*TINY, "mode=eval", "amp=true", "amp_dtype=fp16", resume), tmp_path / "d", Dist(),
+                evaluate_only=True)
+    # another optimizer's checkpoint still evaluates: its model is the same
+    Trainer(config(*TINY, "mode=eval", *bf16, "optimizer=momentum", resume), tmp_path / "e", Dist(), evaluate_only=True)
+
+
+def test_a_metrics_file_that_cannot_be_made_is_one_line_naming_it(tmp_path):
+    """A link to nowhere in metrics.jsonl's place said "None"; a folder made read-only after
+    it was checked ended in a traceback."""
+    from trainer.loop import Trainer
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "metrics.jsonl").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(WriteError, match=r"^cannot write .*metrics.jsonl \(File exists\)$"):
+        Trainer(config(*TINY, "trainer.epochs=1"), tmp_path / "a", Dist())
+
+
+def test_a_checkpoint_saved_after_another_epoch_than_its_name_says_is_refused(tmp_path):
+    """Another run's checkpoint put in place of this run's newest (or one renamed) was taken:
+    the resume trained that run's model in this folder, wrote over the file and pruned this
+    run's own checkpoints by their names. A folder where the newest checkpoint would be is
+    named too; an evaluation read it as a run's folder ("no checkpoints in .../epoch_0003.pt")."""
+    from trainer.loop import Trainer
+    train(tmp_path / "a", "trainer.epochs=2")
+    folder = tmp_path / "a" / "checkpoints"
+    (folder / "epoch_0002.pt").rename(folder / "epoch_0005.pt")
+    for overrides in (["trainer.epochs=6"], ["mode=eval"]):
+        with pytest.raises(CheckpointError, match=r"epoch_0005.pt was saved after epoch 2, not 5 as its name says: "
+                                                  r"renamed, or another run's put in its place; move it out of "):
+            Trainer(config(*TINY, *overrides, f"trainer.resume={tmp_path / 'a'}"), tmp_path / "a", Dist(),
+                    evaluate_only=overrides == ["mode=eval"])
+    assert sorted(p.name for p in folder.iterdir()) == ["epoch_0001.pt", "epoch_0005.pt"]
+    (folder / "epoch_0005.pt").unlink()
+    (folder / "epoch_0003.pt").mkdir()
+    with pytest.raises(CheckpointError, match=r"epoch_0003.pt is a folder, not a checkpoint: move it out of "):
+        find_checkpoint(tmp_path / "a")
 
 
 @pytest.mark.parametrize("damage", ["truncated", "objects beside tensors", "not a zip archive", "no regions",
@@ -1904,11 +1958,41 @@ def test_a_failed_evaluation_keeps_the_epoch_it_followed_in_a_checkpoint(tmp_pat
     assert_same_state(persistent_state(resumed.arena), persistent_state(straight.arena))
 
 
-def test_a_resume_after_the_training_set_changed_says_so_not_which_options_differ(tmp_path, monkeypatch):
+def test_a_failed_last_evaluation_is_done_by_the_resume_once_the_data_is_mended(tmp_path, monkeypatch):
+    """The last epoch's evaluation failed (a damaged image) after the epoch was saved: the
+    resume found nothing left to train, and the run's summary kept no evaluation for good.
+    Now the resume evaluates it, records it, and saves it with the checkpoint; a resume
+    after that has nothing left to do."""
+    from trainer.errors import DataError
+    from trainer.loop import Trainer
+    common = ["trainer.epochs=2", "trainer.eval_every=2"]
+    straight = train(tmp_path / "straight", *common)
+    run_steps = Trainer.run_steps
+
+    def a_damaged_val_image(self, steps, source, on_step=None):
+        if source is self.val_source:
+            raise DataError("cannot decode val/img_7.JPEG: the file is damaged")
+        return run_steps(self, steps, source, on_step)
+    monkeypatch.setattr(Trainer, "run_steps", a_damaged_val_image)
+    with pytest.raises(DataError):
+        train(tmp_path / "a", *common)
+    monkeypatch.undo()
+    resume = f"trainer.resume={tmp_path / 'a'}"
+    resumed = Trainer(config(*TINY, *common, resume), tmp_path / "a", Dist())
+    assert resumed.unevaluated
+    summary = resumed.fit()
+    assert summary["val_loss"] == straight.history[-1]["val_loss"] and summary["val_epoch"] == 2
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["val_loss"] == summary["val_loss"]
+    assert checkpoint.read(tmp_path / "a")["meta"]["history"][-1]["val_loss"] == summary["val_loss"]
+    assert not Trainer(config(*TINY, *common, resume), tmp_path / "a", Dist()).unevaluated
+
+
+def test_a_resume_after_the_training_set_changed_says_so_not_which_options_differ(tmp_path, monkeypatch, caplog):
     """Images added to the data set (data.train_size=0: all of them) make more steps an
     epoch; the refusal blamed the batch size, data.train_size, drop_last or the ranks, none
     of which differed. A checkpoint written before the size was kept, or another
-    data.train_size, keeps the list of options."""
+    data.train_size, keeps the list of options. Images added that leave the epochs as long
+    are said, where the run went on without a word."""
     from trainer.loop import Trainer
     all_of_them = ["data.train_size=0", "data.val_size=128", "trainer.batch_size=32", "trainer.epochs=2"]
     monkeypatch.setattr("trainer.data._SYNTHETIC_DEFAULT", (384, 128))
@@ -1921,6 +2005,12 @@ def test_a_resume_after_the_training_set_changed_says_so_not_which_options_diffe
         Trainer(config(*all_of_them, resume), tmp_path / "a", Dist())
     with pytest.raises(ConfigError, match="have 16: trainer.batch_size, data.train_size, trainer.drop_last"):
         Trainer(config(*all_of_them[1:], "data.train_size=512", resume), tmp_path / "a", Dist())
+    monkeypatch.setattr("trainer.data._SYNTHETIC_DEFAULT", (390, 128))  # 6 added: 12 steps an epoch still
+    with caplog.at_level("WARNING", logger="trainer"):
+        Trainer(config(*all_of_them, resume), tmp_path / "a", Dist())
+    assert "was trained on 384 examples and this run's training set has 390: the data set changed; the run goes on " \
+           "with it, in epochs of the same 12 steps" in caplog.text
+    monkeypatch.setattr("trainer.data._SYNTHETIC_DEFAULT", (512, 128))
     path = find_checkpoint(tmp_path / "a")
     payload = torch.load(path, weights_only=True)
     del payload["meta"]["train_examples"]  # as written before it was kept

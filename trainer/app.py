@@ -24,9 +24,9 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from trainer.config import (CHECKPOINT_OPTIONS, RUN_OPTIONS, TrainConfig, chosen_keys, expand_paths, first_line,
-                            given_changes, given_options, read_by, recorded, take_options, validate)
-from trainer.errors import CheckpointError, ConfigError, TrainerError, WriteError
+from trainer.config import (CHECKPOINT_OPTIONS, GOING_ON, RUN_OPTIONS, TrainConfig, chosen_keys, expand_paths,
+                            first_line, given_changes, given_options, read_by, recorded, take_options, validate)
+from trainer.errors import CheckpointError, ConfigError, DataError, TrainerError, WriteError
 from trainer.run_dir import (PARTS, continue_with, find_checkpoint, given, other_run, override, ranks,
                              restart_checkpoint, restarted, resumed_folder, saved, writing)
 
@@ -366,12 +366,19 @@ def _refuse_another_jobs(folder: Path, job_config: DictConfig, config: DictConfi
                           f"record of their overrides to go on by: give this sweep a folder of its own "
                           f"(hydra.sweep.dir=...), or continue a job's run alone ({override('trainer.resume', folder)})")
     started = _started_as(folder, config)
-    if started is None or sorted(started) != sorted(job):  # in another order, the same job
+    if started is None or _the_job(started) != _the_job(job):
         raise _another_sweeps(sweep, folder)
     if job_config.mode == "train" and not saved(folder / "checkpoints"):
         raise ConfigError(f"{shown} ended before its first checkpoint (stopped, or failed: {folder / 'run.log'} says "
                           f"why), and {folder} holds its records: remove {folder}, then run the sweep again to start "
                           "that job anew")
+
+
+def _the_job(overrides: list[str]) -> list[str]:
+    """What makes a sweep's job the one it is: its overrides, in any order, but for those a
+    sweep run again to go on may give otherwise (GOING_ON: trainer.stop_after_epoch=1 given
+    again would stop every job where it stopped)."""
+    return sorted(o for o in overrides if o.partition("=")[0].lstrip("+~") not in GOING_ON)
 
 
 def _started_as(folder: Path, config: DictConfig) -> list[str] | None:
@@ -385,7 +392,8 @@ def _started_as(folder: Path, config: DictConfig) -> list[str] | None:
 def _another_sweeps(sweep: Path, job: Path) -> ConfigError:
     return ConfigError(f"{sweep} holds another sweep's jobs ({job.name}/ has its checkpoints or results): give this "
                        "sweep a folder of its own (hydra.sweep.dir=...); a sweep goes on in its folder only with the "
-                       "command line it was started with")
+                       f"command line it was started with, but for {GOING_ON[0]} and the machine's options "
+                       f"({', '.join(GOING_ON[1:])})")
 
 
 def _shown(job) -> str:
@@ -535,6 +543,12 @@ def _where_to_continue(cfg: DictConfig, run_dir: Path, hydra: DictConfig) -> str
     return " before the first checkpoint: nothing to continue from"
 
 
+def _to_go_on(run_dir: Path, hydra: DictConfig) -> str:
+    """How a training run that stopped on a damaged data file (one rank's: dist's relay) goes
+    on from its newest checkpoint: an epoch whose evaluation failed was saved first."""
+    return _sweep_goes_on(run_dir, hydra) if hydra.mode == RunMode.MULTIRUN else _continue_from_newest(run_dir)
+
+
 def _sweep_goes_on(run_dir: Path, hydra: DictConfig) -> str:
     """How a sweep whose job in run_dir stopped goes on: its command run again in its folder,
     once that job's records are removed where it has no checkpoint to continue from."""
@@ -562,7 +576,8 @@ def _once_there_is_room(e: WriteError, cfg: DictConfig, run_dir: Path, hydra: Di
     """What to do after a file could not be written: make room (a full disk) or make it
     writable, then a training run continues from its newest checkpoint, if it has one; a
     sweep's job, with its sweep."""
-    mend = "make room there" if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else "make it writable"
+    mend = ("make room there" if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else
+            "move the file that stands in its path" if e.errno in (errno.EEXIST, errno.ENOTDIR) else "make it writable")
     if cfg.mode != "train":
         return f"; {mend}, then run the command again"
     if hydra.mode == RunMode.MULTIRUN:
@@ -658,6 +673,8 @@ def main(dict_cfg: DictConfig):
         MODES[cfg.mode](cfg, run_dir)
     except TrainerError as e:
         why = f"{e}{_once_there_is_room(e, dict_cfg, run_dir, HydraConfig.get()) if isinstance(e, WriteError) else ''}"
+        if type(e) in (DataError, TrainerError) and dict_cfg.mode == "train" and saved(run_dir / "checkpoints"):
+            why += f"; once that is mended, {_to_go_on(run_dir, HydraConfig.get())}"
         log.error("%s", why)
         if HydraConfig.get().mode == RunMode.MULTIRUN and not isinstance(e, WriteError):
             return JobFailed(why)  # the sweep goes on to its next job

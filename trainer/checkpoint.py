@@ -1,8 +1,9 @@
 """Checkpoints: the arena's persistent regions and state scalars, written atomically.
 
 A checkpoint holds raw region bytes, so restoring it is bit-exact. It is accepted only by
-a plan whose persistent regions have the same layout (the state fingerprint); otherwise
-the message says which model, optimizer or region differs. Each part's bytes carry a
+a run of the same model, optimizer and AMP mode (IDENTITY) whose plan gives its persistent
+regions the same layout (the state fingerprint); otherwise the message says which option
+or region differs. Each part's bytes carry a
 CRC-32, and the records beside them (the run's options, the tensors' offsets) the zip's,
 so that a file damaged where its layout still reads is refused, not restored.
 """
@@ -19,7 +20,7 @@ from trainer.dtensor import ITEMSIZE
 from trainer.errors import CheckpointError
 from trainer.plan import Baseline, MemoryPlan
 from trainer.regions import Region
-from trainer.run_dir import find_checkpoint, run_folder, saved, writing
+from trainer.run_dir import CHECKPOINT_NAME, find_checkpoint, run_folder, saved, writing
 
 # Weights, EMA, half copies, BN statistics and optimizer moments: what training accumulates.
 STATE_REGIONS = tuple(r for r in Region if r.name[0] in "BWEAMVN")
@@ -84,9 +85,12 @@ def load(path: Path, arena: Arena, meta_now: dict, rank: int = 0, model_only: bo
     payload = read(path)
     plan = arena.plan
     model_only = model_only and "model_fingerprint" in payload
-    if (payload["model_fingerprint"] != model_fingerprint(plan) if model_only
-            else payload["state_fingerprint"] != state_fingerprint(plan)):
-        why, options_differ = _difference(payload, plan, meta_now, model_only)
+    # the recorded options first: fp16 and bf16 weights, nesterov's and momentum's state have
+    # the same layout, and restored into the other they were garbage or another optimizer's
+    changed = _changed(payload["meta"], meta_now, model_only)
+    if changed or (payload["model_fingerprint"] != model_fingerprint(plan) if model_only
+                   else payload["state_fingerprint"] != state_fingerprint(plan)):
+        why, options_differ = ("; ".join(changed), True) if changed else _difference(payload, plan, model_only)
         overrides = run_folder(path) / ".hydra" / "overrides.yaml"  # where Hydra keeps the writer's command line
         advice = ""
         if options_differ and ("config" in payload["meta"] or model_only and "options" in payload["meta"]):
@@ -182,6 +186,10 @@ def read(path: Path) -> dict:
     missing = [key for key in ("layout", "meta", "regions", "scalars") if key not in payload]
     if missing:
         raise _damaged(path, f"it has no {', '.join(missing)}")
+    named, epoch = CHECKPOINT_NAME.fullmatch(path.name), payload["meta"].get("epoch")
+    if named and epoch is not None and int(named[1]) != epoch:  # a resume would write over and prune by the names
+        raise CheckpointError(f"{path} was saved after epoch {epoch}, not {int(named[1])} as its name says: renamed, or "
+                              f"another run's put in its place; move it out of {path.parent}")
     return payload
 
 
@@ -209,14 +217,16 @@ def _region_bytes(arena: Arena, region: Region) -> torch.Tensor:
     return arena.storage[offset:offset + nbytes]
 
 
-def _difference(payload: dict, plan: MemoryPlan, meta_now: dict, model_only: bool) -> tuple[str, bool]:
-    """What differs between the checkpoint and this run's plan, and whether it is options of
-    the run (IDENTITY), which the command line may have given otherwise."""
-    then = payload["meta"]
-    changed = [f"{k}: checkpoint {then.get(k)!r}, this run {meta_now.get(k)!r}"
-               for k in (MODEL_IDENTITY if model_only else IDENTITY) if k in then and then[k] != meta_now.get(k)]
-    if changed:
-        return "; ".join(changed), True
+def _changed(then: dict, now: dict, model_only: bool) -> list[str]:
+    """The options of IDENTITY (MODEL_IDENTITY for evaluation and export) on which the
+    checkpoint's run (`then`) and this one differ."""
+    return [f"{k}: checkpoint {then.get(k)!r}, this run {now.get(k)!r}"
+            for k in (MODEL_IDENTITY if model_only else IDENTITY) if k in then and then[k] != now.get(k)]
+
+
+def _difference(payload: dict, plan: MemoryPlan, model_only: bool) -> tuple[str, bool]:
+    """What differs between the layouts of the checkpoint and this run's plan, and whether
+    it is options of the run, which the command line may have given otherwise."""
     if not model_only and payload.get("shards", 1) != plan.config.shards:
         return (f"its optimizer state is sharded over {payload.get('shards', 1)} ranks, this run's over "
                 f"{plan.config.shards} (resume with the same number of ranks and dist.shard_optimizer)"), False

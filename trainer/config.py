@@ -270,6 +270,9 @@ _INVOCATION = ("mode", "checkpoint", "trainer.resume", "trainer.stop_after_epoch
 # What the machine running the command has, which a run resumed on another machine takes
 # from there: its cores, its folders, its network; none changes what the run computes.
 _MACHINE = ("data.threads", "data.decode_cache", "compile_cache", "dist.timeout_s")
+# What a stopped sweep, run again in its folder to go on, may give otherwise than it was
+# started with: where its jobs stop next, and the machine's own options.
+GOING_ON = ("trainer.stop_after_epoch", *_MACHINE)
 RUN_OPTIONS = tuple(key for key in options(TrainConfig())
                     if key not in _INVOCATION + _MACHINE and not key.startswith("bench."))
 

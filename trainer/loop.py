@@ -24,7 +24,7 @@ from trainer.config import ScheduleConfig, TrainConfig, ignored, options, unreac
 from trainer.data import build_sources, dataset_sizes, source_module
 from trainer.data.jpeg_files import forget_listings
 from trainer.dist import Dist, device_for
-from trainer.errors import ConfigError, DivergedError
+from trainer.errors import ConfigError, DivergedError, WriteError
 from trainer.feeder import BUFFERS, DoubleBuffer
 from trainer.future import TensorFuture
 from trainer.metrics import MetricsLog, Stopwatch, plot_curves, write_summary
@@ -89,10 +89,16 @@ class Trainer:
         ready = self.clock()
         # a finished run resumed, or torchrun restarting a job after its last checkpoint
         self.finished = not evaluate_only and (self.stopped or self.start_epoch >= math.ceil(t.epochs))
+        # its last epoch's evaluation failed (a damaged image) after the epoch was saved: evaluated now
+        self.unevaluated = (self.finished and not self.stopped and self.start_epoch == math.ceil(t.epochs)
+                            and bool(self.history) and "val_loss" not in self.history[-1])
         if self.stopped:
             log.info("torchrun restarted the job after epoch %d's checkpoint, where trainer.stop_after_epoch=%d "
                      "stops it: nothing left to train; continue with %s", self.start_epoch, t.stop_after_epoch,
                      continue_with(run_dir, dist.world))
+        elif self.unevaluated:
+            log.info("%s has trained all %d epoch(s); its last evaluation failed, and is done now", t.resume,
+                     self.start_epoch)
         elif self.finished:
             log.info("%s has trained %d epoch(s), all that trainer.epochs=%g asks for: nothing left to train; raise "
                      "trainer.epochs to train on, or evaluate it with mode=eval checkpoint=%s",
@@ -102,8 +108,8 @@ class Trainer:
                      "takes minutes, later runs load it from %s in seconds",
                      Path(cfg.compile_cache).resolve() if cfg.compile_cache else "inductor's cache")
         # evaluation alone (mode=eval) needs no training graphs: their capture is seconds of set-up
-        if not self.finished:
-            self.executor.capture(self.executor.keys(train=False) if evaluate_only else None)
+        if not self.finished or self.unevaluated:
+            self.executor.capture(self.executor.keys(train=False) if evaluate_only or self.finished else None)
         if cfg.ema:  # evaluation swaps the EMA weights in eagerly: compile those kernels now, not in the timed run
             self.ops.sema_switch()
             self.ops.sema_switch()
@@ -296,6 +302,11 @@ class Trainer:
         run_start, result_at = self._event(), None
         pending = None  # the previous epoch's row: read once this epoch is queued behind it
         summary = None  # as of the newest checkpoint: a run always ends on one where it trained
+        if self.unevaluated:  # its checkpoint is saved again with the row, for a later resume's summary
+            self._record({**self.history.pop(), **self.evaluate()})
+            result_at = self._event()
+            self.save(self.start_epoch)
+            summary = self._write_summary(run_start, result_at, evaluated=True)
         for epoch in range(self.start_epoch, self.start_epoch if self.stopped else epochs):
             result = self.train_epoch(epoch)
             if pending is not None:
@@ -343,13 +354,14 @@ class Trainer:
         self.save(epoch + 1)
         self._write_summary(run_start, result_at)
 
-    def _write_summary(self, run_start, result_at) -> dict:
+    def _write_summary(self, run_start, result_at, evaluated: bool = False) -> dict:
         """The run's summary as of its newest epoch, written with its curves at each checkpoint,
         so that an interrupted run's records are those of the checkpoint it resumes from; not
         over a finished run's own by a resume that trains nothing (its timings would be of
-        nothing). run_start to result_at: this process's time to its last evaluation result."""
+        nothing), unless it `evaluated` the last epoch. run_start to result_at: this process's time to
+        its last evaluation result."""
         summary = self.summary(None if result_at is None else self._elapsed(run_start, result_at))
-        if self.dist.is_main and (self.images or not (self.run_dir / "summary.json").exists()):
+        if self.dist.is_main and (self.images or evaluated or not (self.run_dir / "summary.json").exists()):
             write_summary(self.run_dir, summary)
             if self.history:
                 plot_curves(self.run_dir, self.history)
@@ -404,10 +416,14 @@ class Trainer:
         the checkpoint was trained on (None before it was kept), `written` its options: with
         the same data.train_size, another size is the data set's own (images added to a
         folder), which no option of the command line mends."""
-        if saved is None or saved == self.per_epoch:
-            return
         total = self.train_source.shard.total
-        if examples is not None and examples != total and written.get("data.train_size") == self.cfg.data.train_size:
+        changed = examples is not None and examples != total and written.get("data.train_size") == self.cfg.data.train_size
+        if saved is None or saved == self.per_epoch:
+            if changed and self.dist.is_main:  # images added or removed, the epochs as long: it trains on
+                log.warning("%s was trained on %d examples and this run's training set has %d: the data set changed; "
+                            "the run goes on with it, in epochs of the same %d steps", path, examples, total, self.per_epoch)
+            return
+        if changed:
             raise ConfigError(
                 f"{path} was trained in epochs of {saved} steps, and this run's have {self.per_epoch}: its training "
                 f"set had {examples} examples and this run's has {total}: the data set changed; restore it, or start a "
@@ -477,8 +493,11 @@ class Trainer:
             new = not (run_dir / RECORDS).exists()
         try:
             return MetricsLog(run_dir, enabled=enabled, log=log, new=new)
-        except FileExistsError:
-            raise ConfigError(other_run(run_dir, "")) from None
+        except OSError as e:  # a folder made read-only since it was checked; a link to nowhere in the file's place
+            why = other_run(run_dir, "") if isinstance(e, FileExistsError) else None
+            if why:
+                raise ConfigError(why) from None
+            raise WriteError(f"cannot write {run_dir / RECORDS} ({e.strerror or e})", e.errno) from None
 
     def _first_step_done(self):
         """Time to first step: set-up, capture and one step, measured once (one sync)."""

@@ -43,6 +43,8 @@ def find_checkpoint(path) -> Path:
             raise CheckpointError(f"no checkpoints (epoch_N.pt) in {folder}: " + (
                 f"give one of the runs in it ({', '.join(runs[:3])}{', ...' if runs[3:] else ''})" if runs else
                 "give a run's folder that holds them, or a checkpoint file"))
+        if found[-1].is_dir():  # else read as the folder it names, "no checkpoints in .../epoch_0003.pt"
+            raise CheckpointError(f"{found[-1]} is a folder, not a checkpoint: move it out of {folder}")
         return found[-1]
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}: give a checkpoint file, or a run directory that holds them")
