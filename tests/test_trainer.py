@@ -869,8 +869,10 @@ def test_checkpoints_are_kept_and_found_by_epoch_past_epoch_9999_and_a_users_cop
     checkpoint, which a resume would go on from, nor one to prune."""
     for name in ("9998", "9999", "10000", "10001", "10001_good", "best"):
         (tmp_path / f"epoch_{name}.pt").write_bytes(b"")
+    (tmp_path / "epoch_10002.pt.4242.part").write_bytes(b"")
     checkpoint.prune(tmp_path, 2)
     assert [p.name for p in saved(tmp_path)] == ["epoch_10000.pt", "epoch_10001.pt"]
+    assert not list(tmp_path.glob("*.part"))  # a write killed part way (SIGKILL) left it
     assert find_checkpoint(tmp_path).name == "epoch_10001.pt"
     assert (tmp_path / "epoch_10001_good.pt").exists() and (tmp_path / "epoch_best.pt").exists()
 

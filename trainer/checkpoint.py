@@ -208,8 +208,11 @@ def _check_records(path: Path):
 
 
 def prune(folder: Path, keep: int):
-    for old in saved(folder)[:-keep]:
-        old.unlink()
+    """All but the newest `keep` checkpoints removed, and the parts of any a process killed
+    mid-write (SIGKILL, the OOM killer) left, a checkpoint's size each: the run's lock on its
+    folder says no other process writes there."""
+    for old in [*saved(folder)[:-keep], *folder.glob("epoch_*.pt.*.part")]:
+        old.unlink(missing_ok=True)
 
 
 def _region_bytes(arena: Arena, region: Region) -> torch.Tensor:
