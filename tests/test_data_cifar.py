@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from tests.helpers import serve
+from tests.test_data_jpeg_folder import as_a_user  # noqa: F401  (a fixture)
 from trainer.config import DataConfig, TrainConfig, TrainerConfig
 from trainer.data import build_sources, cifar
 from trainer.data.cifar import CIFAR_MEAN, CIFAR_STD
@@ -332,6 +333,16 @@ def test_a_jpeg_that_cannot_be_read_is_named_with_the_reason(tmp_path):
     cfg.data.train_size = N_TRAIN + 1  # every file, the bad one too
     with pytest.raises(DataError, match=f"^cannot read {bad} \\(Input/output error\\): check the file"):
         build_sources(cfg, CPU, 0, 1, None)
+
+
+@pytest.mark.parametrize("folder, named", [("test/cat", "test/cat"), (".", "data_batch_1")])
+def test_a_folder_that_cannot_be_read_is_named(tmp_path, as_a_user, folder, named):
+    """It ended in PermissionError's traceback. data.root itself: the python batches are looked for first."""
+    root = jpeg_tree(tmp_path / "tree", CLASSES)
+    (root / folder).chmod(0o000)
+    with pytest.raises(DataError, match=f"^cannot read {root / named} \\(Permission denied\\): check its permissions "
+                                        "and those of the folders that hold it$"):
+        build_sources(config(root), CPU, 0, 1, None)
 
 
 @pytest.mark.parametrize("packed, sizes", [("tree", [(40, 30)] * 2), ("archive", [(40, 30)] * 2),

@@ -1,4 +1,5 @@
 """JPEG class folders through DALI: labels, normalization, variants, and the error messages."""
+import ctypes
 import io
 import math
 import os
@@ -47,6 +48,29 @@ def photo_tree(tmp_path) -> Path:
     make_jpeg_tree([str(tmp_path / "photos"), "--classes", "2", "--per-class", "6", "--val-per-class", "1",
                     "--size", "48x36", "--jobs", "2"])
     return tmp_path / "photos"
+
+
+@pytest.fixture
+def as_a_user():
+    """Permissions as a user meets them: root's override of them (CAP_DAC_OVERRIDE and
+    CAP_DAC_READ_SEARCH) left out of this thread's effective capabilities, and so of the
+    threads it starts, until the test ends; a user other than root has none to leave out."""
+    if os.geteuid() != 0:
+        yield
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, the calling thread
+    caps = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable: their low words, then their high ones
+    if not hasattr(libc, "capget") or libc.capget(header, caps) != 0:
+        pytest.skip("run as root, where Linux's capget cannot leave out root's override of permissions")
+    saved = (ctypes.c_uint32 * 6)(*caps)
+    caps[0] &= ~(1 << 1 | 1 << 2)  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+    if libc.capset(header, caps) != 0:
+        pytest.skip("run as root, where Linux's capset cannot leave out root's override of permissions")
+    try:
+        yield
+    finally:
+        libc.capset(header, saved)
 
 
 def config(root, num_classes=3, batch=4, val_batch=0, drop_last=True, resolution=24, **data):
@@ -211,6 +235,20 @@ def test_missing_directories(tree, tmp_path):
     shutil.rmtree(tree / "val")
     with pytest.raises(DataError, match=f"missing directory {tree / 'val'}"):
         dataset_sizes(config(tree).data)
+
+
+@pytest.mark.parametrize("folder, mode, named", [
+    ("train/apple", 0o000, "train/apple"),  # its files listed
+    ("train", 0o000, "train"),  # its class folders listed
+    (".", 0o000, "train"),  # the split's folder looked for in data.root
+    ("val", 0o444, "val/apple"),  # listed, but its class folders' times not read
+], ids=["class-folder", "split", "root", "split-unsearchable"])
+def test_a_folder_that_cannot_be_read_is_named(tree, as_a_user, folder, mode, named):
+    """It ended in PermissionError's traceback, where a file that cannot be read is named."""
+    (tree / folder).chmod(mode)
+    with pytest.raises(DataError, match=f"^cannot read {tree / named} \\(Permission denied\\): check its permissions "
+                                        "and those of the folders that hold it$"):
+        build_sources(config(tree), CPU, 0, 1, None)
 
 
 def test_hidden_folders_and_files_are_not_classes_or_images(tree):

@@ -18,7 +18,7 @@ from trainer.config import DataConfig
 from trainer.data import decoded_cache
 from trainer.data.dali import decode_all
 from trainer.data.jpeg_files import (IMAGE_SUFFIXES, check_bytes, class_folders, find_split, list_split,
-                                     read_error, same_classes)
+                                     looking_into_folders, read_error, same_classes)
 from trainer.data.resident import ResidentSource
 from trainer.data.source import Shard, subset
 from trainer.data.tar import Damaged, tar_files
@@ -49,8 +49,9 @@ def python_batches(root: Path, members: dict[str, bytes] | None) -> dict[str, by
     if members is not None:
         found = {PurePosixPath(name).name: data for name, data in members.items() if "_batch" in name}
     else:
-        folder = next((f for f in (root, root / "cifar-10-batches-py") if (f / "data_batch_1").is_file()), None)
-        found = {p.name: p.read_bytes() for p in folder.glob("*_batch*")} if folder else {}
+        with looking_into_folders():
+            folder = next((f for f in (root, root / "cifar-10-batches-py") if (f / "data_batch_1").is_file()), None)
+            found = {p.name: p.read_bytes() for p in folder.glob("*_batch*")} if folder else {}
     return found if "data_batch_1" in found else None
 
 

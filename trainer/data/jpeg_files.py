@@ -4,6 +4,7 @@ import io
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -23,23 +24,37 @@ def printable(path) -> str:
     return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
+@contextmanager
+def looking_into_folders():
+    """An OSError met while the data's folders are looked into or listed (a folder without
+    read or search permission, a disk's I/O error) as one message naming the path, where it
+    ended in a traceback. Where search permission is missing, the path named is one inside
+    the folder at fault: the advice takes in the folders that hold it."""
+    try:
+        yield
+    except OSError as e:
+        raise read_error(e.filename, e, "its permissions and those of the folders that hold it") from None
+
+
 def find_split(root: Path, names: tuple[str, ...]) -> Path:
     """The first of root/<name> that exists (CIFAR's tree calls its val split "test")."""
-    if not root.exists():
-        raise DataError(f"missing data.root {root}: point data.root at the folder that holds "
-                        f"{names[0]}/<class>/*.jpg")
-    if root.is_file():
-        raise DataError(f"data.root={root} is a file, where the folders are read: point it at the folder that "
-                        f"holds {names[0]}/<class>/*.jpg (unpack an archive first; data=cifar10 reads CIFAR-10's)")
-    for name in names:
-        if (root / name).is_dir():
-            return root / name
+    with looking_into_folders():
+        if not root.exists():
+            raise DataError(f"missing data.root {root}: point data.root at the folder that holds "
+                            f"{names[0]}/<class>/*.jpg")
+        if root.is_file():
+            raise DataError(f"data.root={root} is a file, where the folders are read: point it at the folder that "
+                            f"holds {names[0]}/<class>/*.jpg (unpack an archive first; data=cifar10 reads CIFAR-10's)")
+        for name in names:
+            if (root / name).is_dir():
+                return root / name
     raise DataError(f"missing directory {root / names[0]}: data.root={root} must hold {names[0]}/<class>/*.jpg")
 
 
 def class_folders(folder: Path) -> list[str]:
     """The class names: the sorted names of `folder`'s folders but hidden ones (.ipynb_checkpoints)."""
-    return sorted(e.name for e in os.scandir(folder) if e.is_dir() and not e.name.startswith("."))
+    with looking_into_folders():
+        return sorted(e.name for e in os.scandir(folder) if e.is_dir() and not e.name.startswith("."))
 
 
 _listed: dict[Path, tuple[tuple, list[str], np.ndarray]] = {}  # folder -> (its folders' times, files, labels)
@@ -60,16 +75,17 @@ def list_split(folder: Path) -> tuple[list[str], np.ndarray, list[str]]:
     given again, within a run, while the split's folders keep their modification times
     (adding, removing or renaming a file changes its folder's), since listing ImageNet's
     1.28M files takes seconds, more on a network file system."""
-    if not folder.is_dir():
-        raise DataError(f"missing directory {folder}: expected class folders {folder}/<class>/*.jpg")
-    classes = class_folders(folder)
-    if not classes:
-        raise DataError(f"no class folders in {folder}: expected {folder}/<class>/*.jpg")
-    stamp = tuple((name, os.stat(folder / name).st_mtime_ns) for name in [".", *classes])
-    with _listing:
-        if folder not in _listed or _listed[folder][0] != stamp:
-            _listed[folder] = (stamp, *_list_files(folder, classes))
-        _, files, labels = _listed[folder]
+    with looking_into_folders():
+        if not folder.is_dir():
+            raise DataError(f"missing directory {folder}: expected class folders {folder}/<class>/*.jpg")
+        classes = class_folders(folder)
+        if not classes:
+            raise DataError(f"no class folders in {folder}: expected {folder}/<class>/*.jpg")
+        stamp = tuple((name, os.stat(folder / name).st_mtime_ns) for name in [".", *classes])
+        with _listing:
+            if folder not in _listed or _listed[folder][0] != stamp:
+                _listed[folder] = (stamp, *_list_files(folder, classes))
+            _, files, labels = _listed[folder]
     return list(files), labels.copy(), classes
 
 
@@ -143,10 +159,10 @@ def _decodes(data: bytes) -> bool:
         return False
 
 
-def read_error(path: str, error: OSError) -> DataError:
-    """A file that cannot be read (its permissions, a disk's I/O error), named with the OS's reason."""
-    return DataError(f"cannot read {printable(path)} ({error.strerror or error}): check the file and its permissions, "
-                     f"or delete it")
+def read_error(path: str, error: OSError, check: str = "the file and its permissions, or delete it") -> DataError:
+    """A file or folder that cannot be read (its permissions, a disk's I/O error), named with
+    the OS's reason, and what to `check`."""
+    return DataError(f"cannot read {printable(path)} ({error.strerror or error}): check {check}")
 
 
 def _file_problem(path: str) -> str | None:
