@@ -2,6 +2,7 @@
 JPEG tree read from its archive as from its folder."""
 import io
 import os
+import shutil
 import subprocess
 import tarfile
 from pathlib import Path
@@ -173,6 +174,23 @@ def test_a_tree_with_test_and_val_folders_reads_test_alone_from_its_archive_as_f
         _, val = build_sources(cfg, CPU, 0, 1, None)
         loaded.append(val.images)
     assert torch.equal(*loaded) and loaded[1].float().mean() < 200  # test/'s noise, no white val/ image
+
+
+def test_hidden_folders_and_files_in_an_archive_are_left_out_as_in_its_folder(tmp_path):
+    """macOS's ._NAME.jpg beside a copied image (its attributes, no JPEG) stopped the
+    archive's run as a corrupt JPEG, and Jupyter's .ipynb_checkpoints/ counted as a class."""
+    tree = tmp_path / "tree"
+    jpeg_tree(tree)
+    for jpeg in list(tree.glob("*/*/*.jpg")):
+        (jpeg.parent / f"._{jpeg.name}").write_bytes(b"\x00\x05\x16\x07")  # AppleDouble's magic number
+    (tree / "train" / ".ipynb_checkpoints").mkdir()
+    shutil.copy(tree / "train" / "cat" / "0000.jpg", tree / "train" / ".ipynb_checkpoints" / "0000-checkpoint.jpg")
+    loaded = []
+    for root in (tree, archived(tree)):
+        train, val = build_sources(cifar(root, num_classes=3, train_size=12, val_size=6), CPU, 0, 1, None)
+        loaded.append([train.images, train.labels, val.images, val.labels])
+    for a, b in zip(*loaded):
+        assert torch.equal(a, b)
 
 
 def test_an_archive_of_fewer_jpegs_than_asked_for_names_the_size_asked_for(tmp_path):

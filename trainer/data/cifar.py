@@ -17,7 +17,7 @@ import torch
 from trainer.config import DataConfig
 from trainer.data import decoded_cache
 from trainer.data.dali import decode_all
-from trainer.data.jpeg_files import (IMAGE_SUFFIXES, check_bytes, class_folders, find_split, list_split,
+from trainer.data.jpeg_files import (IMAGE_SUFFIXES, check_bytes, class_folders, find_split, hidden, list_split,
                                      looking_into_folders, read_error, same_classes)
 from trainer.data.resident import ResidentSource
 from trainer.data.source import Shard, subset
@@ -135,9 +135,11 @@ def jpeg_list(root: Path, split: str, members: dict[str, bytes] | None):
 
 
 def _archived_images(members: dict[str, bytes]) -> list[str]:
-    """The archive's images in class folders (.../<split>/<class>/<file>). Member names are
-    "/"-separated: str.split, as PurePosixPath costs a second per 60,000 names."""
-    return [n for n in members if n.lower().endswith(IMAGE_SUFFIXES) and n.count("/") >= 2]
+    """The archive's images in class folders (.../<split>/<class>/<file>), but those whose
+    class folder or file is hidden, as in a tree. Member names are "/"-separated: str.split,
+    as PurePosixPath costs a second per 60,000 names."""
+    return [n for n in members if n.lower().endswith(IMAGE_SUFFIXES) and n.count("/") >= 2
+            and not any(map(hidden, n.split("/")[-2:]))]
 
 
 def train_classes(root: Path, members: dict[str, bytes] | None) -> list[str] | None:

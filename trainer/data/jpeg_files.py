@@ -36,6 +36,13 @@ def looking_into_folders():
         raise read_error(e.filename, e, "its permissions and those of the folders that hold it") from None
 
 
+def hidden(name: str) -> bool:
+    """Whether a folder's or file's name is left out of the data: hidden ones are no classes
+    or images (Jupyter's .ipynb_checkpoints/; macOS's copies keep a file's attributes beside
+    it as ._NAME.jpg, which is no image)."""
+    return name.startswith(".")
+
+
 def find_split(root: Path, names: tuple[str, ...]) -> Path:
     """The first of root/<name> that exists (CIFAR's tree calls its val split "test")."""
     with looking_into_folders():
@@ -52,9 +59,9 @@ def find_split(root: Path, names: tuple[str, ...]) -> Path:
 
 
 def class_folders(folder: Path) -> list[str]:
-    """The class names: the sorted names of `folder`'s folders but hidden ones (.ipynb_checkpoints)."""
+    """The class names: the sorted names of `folder`'s folders but hidden ones."""
     with looking_into_folders():
-        return sorted(e.name for e in os.scandir(folder) if e.is_dir() and not e.name.startswith("."))
+        return sorted(e.name for e in os.scandir(folder) if e.is_dir() and not hidden(e.name))
 
 
 _listed: dict[Path, tuple[tuple, list[str], np.ndarray]] = {}  # folder -> (its folders' times, files, labels)
@@ -92,9 +99,8 @@ def list_split(folder: Path) -> tuple[list[str], np.ndarray, list[str]]:
 def _list_files(folder: Path, classes: list[str]) -> tuple[list[str], np.ndarray]:
     files, labels = [], []
     for k, name in enumerate(classes):
-        # not hidden ones: macOS's copies keep a file's attributes beside it as ._NAME.jpg, which is no image
         images = [e for e in os.scandir(folder / name)
-                  if e.name.lower().endswith(IMAGE_SUFFIXES) and not e.name.startswith(".")]
+                  if e.name.lower().endswith(IMAGE_SUFFIXES) and not hidden(e.name)]
         broken = sorted(e.name for e in images if e.is_symlink() and not e.is_file())
         if broken:  # left out without a word, the run trained on fewer images than the folder shows
             raise DataError(f"{printable(folder / name / broken[0])} is a link to a file that is not there"
