@@ -14,7 +14,7 @@ from PIL import Image
 from tests.helpers import serve
 from tests.test_data_jpeg_folder import as_a_user  # noqa: F401  (a fixture)
 from trainer.config import DataConfig, TrainConfig, TrainerConfig
-from trainer.data import build_sources, cifar
+from trainer.data import _FULL_SIZE, build_sources, cifar
 from trainer.data.cifar import CIFAR_MEAN, CIFAR_STD
 from trainer.errors import DataError
 
@@ -223,6 +223,22 @@ def test_too_few_images_for_the_configured_size(archive, split, size, wanted):
     have = N_TRAIN if split == "train" else N_VAL
     with pytest.raises(DataError, match=f"{archive} holds {have} {split} images, fewer than {wanted}; "
                                         f"set data.{split}_size={have} or less$"):
+        build_sources(cfg, CPU, 0, 1, None)
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_more_images_than_cifar10s_full_split_are_refused_under_size_0(archive, monkeypatch, split):
+    """data.<split>_size=0 stands for CIFAR-10's full split: a data set of 50,001 training
+    and 10,001 test images trained on 50,000 and evaluated 10,000 without a word."""
+    have = {"train": N_TRAIN, "val": N_VAL}
+    full = {**have, split: have[split] - 1}  # CIFAR-10's split as one image fewer than the batches hold
+    monkeypatch.setitem(_FULL_SIZE, "cifar10", (full["train"], full["val"]))
+    cfg = config(archive)
+    setattr(cfg.data, f"{split}_size", 0)
+    with pytest.raises(DataError, match=f"^{archive} holds {have[split]} {split} images, 1 more than CIFAR-10's full "
+                                        f"{full[split]} that data.{split}_size=0 stands for: remove the extra images, "
+                                        f"give data.{split}_size={full[split]} or fewer to take a subset, or use "
+                                        "data=imagefolder for a data set of another size$"):
         build_sources(cfg, CPU, 0, 1, None)
 
 

@@ -58,11 +58,16 @@ def python_batches(root: Path, members: dict[str, bytes] | None) -> dict[str, by
 def _keep(have: int, want: int, asked: int, split: str, root: Path) -> np.ndarray:
     """`want` of the `have` images: data.<split>_size (`asked`, at most CIFAR-10's split:
     dataset_sizes refuses more), or the whole split where 0 was asked for; the sizes are
-    fixed before the files are read, so an archive that holds fewer is refused here."""
+    fixed before the files are read, so a data set that holds fewer is refused here; so is
+    one that holds more where 0 was asked for, whose extra images were left out without a word."""
     if want > have:
         wanted = (f"the data.{split}_size={asked} asked for" if asked
                   else f"CIFAR-10's full {want} that data.{split}_size=0 stands for")
         raise DataError(f"{root} holds {have} {split} images, fewer than {wanted}; set data.{split}_size={have} or less")
+    if have > want and not asked:
+        raise DataError(f"{root} holds {have} {split} images, {have - want} more than CIFAR-10's full {want} that "
+                        f"data.{split}_size=0 stands for: remove the extra images, give data.{split}_size={want} or "
+                        f"fewer to take a subset, or use data=imagefolder for a data set of another size")
     return subset(have, want, list(SPLIT_DIRS).index(split))
 
 
