@@ -73,13 +73,17 @@ def test_synthetic_through_dali_on_the_gpu_matches_the_cpu(half):
     torch.testing.assert_close(gpu_train.peek(16).cpu(), cpu_train.peek(16), atol=1e-3, rtol=0)
 
 
-@pytest.mark.parametrize("host_decode", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("host_decode, parts", [(0.0, 1), (0.5, 2), (1.0, 1)])
 @pytest.mark.parametrize("half", HALVES)
-def test_jpeg_folders_decoded_on_the_gpu_keep_their_labels(tree, half, host_decode):
-    train, val = build_sources(folder_config(tree, batch=4, val_batch=4, drop_last=False, host_decode=host_decode),
+def test_jpeg_folders_decoded_on_the_gpu_keep_their_labels(tree, half, host_decode, parts):
+    # batches of 7, 7 and 1: split between the host's and the GPU's decoders, the last made by both;
+    # epoch 2 fed while epoch 1 is served, at its resolution
+    train, val = build_sources(folder_config(tree, batch=7, val_batch=4, drop_last=False, host_decode=host_decode),
                                CUDA, 0, 1, half)
-    for source, sizes, resolution in ((train, (4, 4, 4, 3), 16), (train, (4, 4, 4, 3), 24), (val, (4, 2), 24)):
-        for data, label, mask in run_epoch(source, sizes, resolution, half, CUDA):
+    assert train.parts == parts
+    for source, sizes, resolution, epoch in ((train, (7, 7, 1), 16, 0), (train, (7, 7, 1), 24, 1),
+                                             (train, (7, 7, 1), 24, 2), (val, (4, 2), 24, 0)):
+        for data, label, mask in run_epoch(source, sizes, resolution, half, CUDA, epoch):
             assert [LABEL_OF_COLOR[c] for c in colors_of(data)] == label.tolist()
             assert half is None or torch.all(data[..., 3] == 0)
     assert train.peek(5).device.type == "cuda"

@@ -87,7 +87,9 @@ class JpegFolderSource(DaliSource):
 
     @property
     def parts(self) -> int:
-        return 2 if 0 < self.d.host_decode < 1 else 1
+        # on a CPU both parts would decode on the host: one pipeline, so that data.host_decode
+        # changes nothing there (two, each drawing crops from a seed of its own, cropped otherwise)
+        return 2 if self.gpu and 0 < self.d.host_decode < 1 else 1
 
     def _host_share(self, total: int) -> int:
         """The host part's share of `total` (rows, threads) when there are two parts:
