@@ -395,6 +395,17 @@ def test_a_file_that_cannot_be_read_is_named_with_the_reason(tree):
         build_sources(config(tree), CPU, 0, 1, None)
 
 
+def test_a_file_left_unchecked_that_cannot_be_read_is_named_with_the_reason(tree, as_a_user):
+    """data.check_files=false: DALI's read fails on it, and the message said it had changed
+    since the data set was listed, which it had not."""
+    bad = tree / "val" / "mango" / "0.jpg"
+    bad.chmod(0o000)
+    _, val = build_sources(config(tree, val_batch=6, check_files=False), CPU, 0, 1, None)
+    with pytest.raises(DataError, match=f"^cannot read {bad} \\(Permission denied\\): check the file and its "
+                                        "permissions, or delete it$"):
+        serve(val, (6,), 24)
+
+
 def test_a_file_dali_cannot_decode_is_named_when_its_batch_fails(tree):
     bad = tree / "train" / "mango" / "1.jpg"
     bad.write_bytes(b"\xff\xd8" + bytes(range(256)) * 4 + b"\xff\xd9")  # the ends look right
@@ -407,7 +418,8 @@ def test_a_file_gone_after_the_check_is_named_when_its_batch_fails(tree):
     train, _ = build_sources(config(tree, batch=15), CPU, 0, 1, None)
     gone = tree / "train" / "zebra" / "2.jpg"
     gone.unlink()
-    with pytest.raises(DataError, match=f"cannot read {gone}"):
+    with pytest.raises(DataError, match=f"^cannot read {gone}: it is gone since the data set was listed; restore "
+                                        "it, or restart the run to list the data again$"):
         serve(train, (15,), 24)
 
 

@@ -34,8 +34,8 @@ from nvidia.dali import fn, types
 
 from trainer.config import DataConfig
 from trainer.data.dali import DaliSource
-from trainer.data.jpeg_files import (check_files, class_folders, decode_error, find_split, list_split,
-                                     same_classes)
+from trainer.data.jpeg_files import (check_files, class_folders, decode_error, find_split, list_split, printable,
+                                     read_error, same_classes)
 from trainer.data.source import Shard, resized_crop_draws, subset
 from trainer.errors import DataError
 
@@ -154,9 +154,11 @@ class JpegFolderSource(DaliSource):
         for name in names:
             try:
                 encoded.append(read(name))
-            except OSError as e:  # DALI reads the files: one may have gone since they were listed
-                return DataError(f"cannot read {name} ({e.strerror}): it changed after the data set was listed; "
+            except FileNotFoundError:  # DALI reads the files: one may have gone since they were listed
+                return DataError(f"cannot read {printable(name)}: it is gone since the data set was listed; "
                                  f"restore it, or restart the run to list the data again")
+            except OSError as e:  # one data.check_files=false left unread (its permissions, a disk's I/O error)
+                return read_error(name, e)
         return decode_error(names, encoded, error)
 
 
