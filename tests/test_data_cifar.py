@@ -459,9 +459,12 @@ def test_an_unreadable_cache_entry_is_decoded_again_and_rewritten(archive, tmp_p
     assert cifar.decoded_cache.load(entry, {"train_labels": (N_TRAIN,)}) is not None  # whole again
 
 
-def test_a_cache_that_cannot_be_written_only_warns(archive, tmp_path, caplog):
+@pytest.mark.parametrize("below", ["", "cache"])
+def test_a_cache_that_cannot_be_written_only_warns(archive, tmp_path, caplog, below):
+    """A file given as the folder, or above it, is named as such: the file itself was told
+    "cannot write FILE/decoded-....npz (File exists)"."""
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    first = images_and_labels(config(archive, decode_cache=str(blocker / "cache")))
-    assert "cannot keep the decoded images" in caplog.text
+    first = images_and_labels(config(archive, decode_cache=str(blocker / below)))
+    assert f"cannot keep the decoded images: {blocker} is a file, not a folder; the next run decodes" in caplog.text
     assert torch.equal(first[0], images_and_labels(config(archive))[0])

@@ -52,5 +52,8 @@ def save(path: Path, arrays: dict[str, np.ndarray]) -> None:
             np.savez(f, **arrays)
         log.info("decoded images kept in %s for later runs (data.decode_cache)", path)
     except WriteError as e:
+        # a file where a folder of the path is wanted: mkdir's reason, "File exists", would not say which
+        file = next((folder for folder in path.parents if folder.is_file()), None)
         log.warning("cannot keep the decoded images: %s; the next run decodes them again; "
-                    "set data.decode_cache to a writable folder, or to '' not to keep them", e)
+                    "set data.decode_cache to a writable folder, or to '' not to keep them",
+                    f"{file} is a file, not a folder" if file else e)
