@@ -109,16 +109,22 @@ def test_a_damaged_or_truncated_archive_is_refused_with_its_path(tmp_path):
     damaged.write_bytes(bytes(data))
     truncated.write_bytes(archive(tarfile.GNU_FORMAT, compress=True)[:-100])
     cut.write_bytes(bytes(data[:3 * 512]))  # between two members: what is left reads as a shorter archive
+    lettered = tmp_path / "lettered.tar"  # letters in a checksum's field: int()'s ValueError, as no archive's
+    lettered.write_bytes(bytes(data[:3 * 512 + 148]) + b"garbage!" + bytes(data[3 * 512 + 156:]))
     for path, why in ((damaged, "damaged tar header at byte 1536"), (truncated, "its gzip stream: Compressed file ended"),
-                      (cut, "ends at byte 1536 without its end-of-archive blocks")):
+                      (cut, "ends at byte 1536 without its end-of-archive blocks"),
+                      (lettered, "damaged tar header at byte 1536")):
         with pytest.raises(DataError, match=f"^the archive {path} is damaged or truncated \\(.*{why}.*\\): "
                                             f"download or copy it again$"):
             build_sources(cifar(path), CPU, 0, 1, None)
-    text = tmp_path / "notes.tgz"
+    # a file of text was told "invalid literal for int() with base 8", of the letters where a checksum would be
+    text, short = tmp_path / "notes.tgz", tmp_path / "short.tar"
     text.write_bytes(b"not an archive\n" * 100)
-    with pytest.raises(DataError, match=f"^cannot read the archive {text} \\(.*\\): data.root must be a .tgz/.tar of "
-                                        f"the CIFAR-10 JPEG tree"):
-        build_sources(cifar(text), CPU, 0, 1, None)
+    short.write_bytes(b"not an archive\n")
+    for path in (text, short):
+        with pytest.raises(DataError, match=f"^cannot read the archive {path}: it is not a tar archive, gzip-compressed "
+                                            "or not; data.root must be a .tgz/.tar of the CIFAR-10 JPEG tree"):
+            build_sources(cifar(path), CPU, 0, 1, None)
 
 
 def archived(tree: Path) -> Path:

@@ -38,7 +38,7 @@ def read_archive(path: Path, raw: bytes) -> dict[str, bytes]:
     except Damaged as e:  # an archive all the same: not the wrong file, but a bad copy of it
         raise DataError(f"the archive {path} is damaged or truncated ({e}): download or copy it again") from None
     except ValueError as e:
-        raise DataError(f"cannot read the archive {path} ({e}): data.root must be a .tgz/.tar of the "
+        raise DataError(f"cannot read the archive {path}: {e}; data.root must be a .tgz/.tar of the "
                         f"CIFAR-10 JPEG tree or of cifar-10-batches-py, or a folder of either") from None
     return {name: data for name, data in files.items()
             if name.lower().endswith(IMAGE_SUFFIXES) or "_batch" in name}

@@ -25,6 +25,20 @@ class Damaged(ValueError):
     first header does not check out."""
 
 
+def _refused(pos: int, why: str) -> ValueError:
+    """The error for a header cut short or that does not check out: past the first, the
+    archive's damage (`why`); at the first, a file that is no tar archive."""
+    return Damaged(why) if pos else ValueError("it is not a tar archive, gzip-compressed or not")
+
+
+def _checks_out(header: bytes) -> bool:
+    """Whether a header's checksum field holds the sum of its bytes, the field's own counted as spaces."""
+    try:
+        return sum(header) - sum(header[148:156]) + 8 * ord(" ") == _number(header[148:156])
+    except ValueError:  # no octal number there: text, or other bytes that are no header
+        return False
+
+
 def _number(field: bytes) -> int:
     if field[0] & 0x80:  # GNU base-256, for sizes of 8 GiB and more
         return int.from_bytes(field[1:], "big")
@@ -118,13 +132,12 @@ def tar_files(archive: bytes) -> dict[str, bytes]:
     files, cleaned, links, pos, next_name, next_link = {}, {}, {}, 0, None, None
     while True:
         header = data[pos:pos + BLOCK]
-        error = Damaged if pos else ValueError  # past the first header, it is a tar archive
         if len(header) < BLOCK:  # cut between members, or inside a header
-            raise error(f"the archive ends at byte {len(data)} without its end-of-archive blocks")
+            raise _refused(pos, f"the archive ends at byte {len(data)} without its end-of-archive blocks")
         if header[0] == 0 and not header.strip(b"\0"):
             break  # the end-of-archive blocks
-        if sum(header) - sum(header[148:156]) + 8 * ord(" ") != _number(header[148:156]):
-            raise error(f"damaged tar header at byte {pos}")
+        if not _checks_out(header):
+            raise _refused(pos, f"damaged tar header at byte {pos}")
         size, kind = _number(header[124:136]), header[156:157]
         body = data[pos + BLOCK:pos + BLOCK + size]
         if len(body) < size:
