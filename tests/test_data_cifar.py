@@ -361,6 +361,20 @@ def test_a_folder_that_cannot_be_read_is_named(tmp_path, as_a_user, folder, name
         build_sources(config(root), CPU, 0, 1, None)
 
 
+def test_every_corrupt_jpeg_of_both_splits_is_named_in_one_message(tmp_path):
+    """The training split's were named, and the test split's only once they were mended, as
+    a JPEG folder's are all at once."""
+    root = jpeg_tree(tmp_path / "tree", CLASSES)
+    bad = [root / "train" / "cat" / "1.jpg", root / "test" / "dog" / "0.jpg", root / "test" / "frog" / "1.jpg"]
+    for path in bad:
+        path.write_bytes(b"")
+    cfg = config(root)
+    cfg.data.val_size = 2 * len(CLASSES)  # every test image
+    shown = "; ".join(f"{path}: empty file \\(0 bytes\\)" for path in bad)
+    with pytest.raises(DataError, match=f"^3 corrupt JPEGs: {shown}; replace the files or delete them$"):
+        build_sources(cfg, CPU, 0, 1, None)
+
+
 @pytest.mark.parametrize("packed, sizes", [("tree", [(40, 30)] * 2), ("archive", [(40, 30)] * 2),
                                            ("tree", [(32, 32), (40, 30)])], ids=["tree", "archive", "mixed"])
 def test_images_other_than_32x32_are_refused(tmp_path, packed, sizes):

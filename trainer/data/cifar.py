@@ -175,17 +175,13 @@ def _read(path: str) -> bytes:
         raise read_error(path, e) from None
 
 
-def from_jpegs(root: Path, split: str, names: list[str], labels: np.ndarray, n: int, asked: int,
-               members: dict[str, bytes] | None, d: DataConfig) -> tuple[np.ndarray, np.ndarray]:
+def read_jpegs(root: Path, split: str, names: list[str], labels: np.ndarray, n: int, asked: int,
+               members: dict[str, bytes] | None) -> tuple[list[str], list[np.ndarray], np.ndarray]:
+    """The kept JPEGs of a split: their names as messages show them, their bytes, their labels."""
     keep = _keep(len(names), n, asked, split, root)
     names = [names[i] for i in keep]
     encoded = [np.frombuffer(members[f] if members else _read(f), np.uint8) for f in names]
-    shown = [f"{root}:{f}" for f in names] if members else names
-    check_bytes(shown, encoded)
-    # the source and the decode cache keep CIFAR-10's size
-    images = decode_all(shown, encoded, d.threads, (32, 32),
-                        "data=cifar10 reads CIFAR-10's 32x32 images: use data=imagefolder for images of other sizes")
-    return images.numpy(), labels[keep]
+    return [f"{root}:{f}" for f in names] if members else names, encoded, labels[keep]
 
 
 def decode(root: Path, raw: bytes | None, d: DataConfig, sizes: dict[str, int]) -> dict[str, np.ndarray]:
@@ -195,14 +191,22 @@ def decode(root: Path, raw: bytes | None, d: DataConfig, sizes: dict[str, int]) 
     if batches is not None and d.num_classes != BATCH_CLASSES:
         raise DataError(f"{root} holds CIFAR-10's python batches, {BATCH_CLASSES} classes, but "
                         f"data.num_classes={d.num_classes}; set data.num_classes={BATCH_CLASSES}")
-    listed = jpeg_splits(root, members, d, tuple(sizes)) if batches is None else None
+    asked = {"train": d.train_size, "val": d.val_size}
     out = {}
-    for split, n in sizes.items():
-        asked = d.train_size if split == "train" else d.val_size
-        if batches is not None:
-            out[f"{split}_images"], out[f"{split}_labels"] = from_batches(batches, split, n, asked, root)
-        else:
-            out[f"{split}_images"], out[f"{split}_labels"] = from_jpegs(root, split, *listed[split], n, asked, members, d)
+    if batches is not None:
+        for split, n in sizes.items():
+            out[f"{split}_images"], out[f"{split}_labels"] = from_batches(batches, split, n, asked[split], root)
+        return out
+    listed = jpeg_splits(root, members, d, tuple(sizes))
+    read = {split: read_jpegs(root, split, *listed[split], n, asked[split], members) for split, n in sizes.items()}
+    # every damaged file of both splits in one message, as data=imagefolder names them
+    check_bytes([name for names, _, _ in read.values() for name in names],
+                [data for _, encoded, _ in read.values() for data in encoded])
+    for split, (names, encoded, labels) in read.items():
+        # the source and the decode cache keep CIFAR-10's size
+        images = decode_all(names, encoded, d.threads, (32, 32),
+                            "data=cifar10 reads CIFAR-10's 32x32 images: use data=imagefolder for images of other sizes")
+        out[f"{split}_images"], out[f"{split}_labels"] = images.numpy(), labels
     return out
 
 
