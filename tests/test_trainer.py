@@ -918,6 +918,28 @@ def test_a_metrics_file_that_cannot_be_made_is_one_line_naming_it(tmp_path):
         Trainer(config(*TINY, "trainer.epochs=1"), tmp_path / "a", Dist())
 
 
+def test_a_checkpoint_refuses_class_folders_other_than_those_it_was_trained_on(tmp_path):
+    """Label k is the k-th class folder by name: with one renamed, the same count of classes
+    passed every check, and evaluation (at 0% top-1) or training went on with each class's
+    images under another's label."""
+    from trainer.data.make_jpeg_tree import main as make_jpeg_tree
+    from trainer.loop import Trainer
+    make_jpeg_tree([str(tmp_path / "data"), "--classes", "3", "--per-class", "4", "--val-per-class", "2",
+                    "--size", "24x20", "--jobs", "1"])
+    data = ["data=imagefolder", "data.num_classes=3", "data.resolution=16", "trainer.batch_size=4",
+            f"data.root={tmp_path / 'data'}"]
+    Trainer(config(*data, "trainer.epochs=1"), tmp_path / "run", Dist()).fit()
+    resume = f"trainer.resume={tmp_path / 'run'}"
+    Trainer(config(*data, "mode=eval", resume), tmp_path / "eval", Dist(), evaluate_only=True)  # the same folders
+    for split in ("train", "val"):
+        (tmp_path / "data" / split / "class_000").rename(tmp_path / "data" / split / "zzz")
+    for overrides in (["trainer.epochs=2"], ["mode=eval"]):
+        with pytest.raises(ConfigError, match=r"was trained on other class folders than .*data's \(label 0: 'class_000' "
+                                              r"there, 'class_001' here; label 1: 'class_001' there, 'class_002' here; "
+                                              r"label 2: 'class_002' there, 'zzz' here\): its labels would name other"):
+            Trainer(config(*data, *overrides, resume), tmp_path / "run", Dist(), evaluate_only=overrides == ["mode=eval"])
+
+
 def test_a_checkpoint_saved_after_another_epoch_than_its_name_says_is_refused(tmp_path):
     """Another run's checkpoint put in place of this run's newest (or one renamed) was taken:
     the resume trained that run's model in this folder, wrote over the file and pruned this

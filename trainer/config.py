@@ -87,7 +87,9 @@ class DataConfig:
     root: str = ""
     num_classes: int = 10
     resolution: int = 32  # training crop and evaluation size
-    train_size: int = 0  # synthetic: examples to generate; others: examples to take from the split, 0 all
+    # synthetic: examples to generate; others: examples to take from the split, 0 all (cifar10:
+    # CIFAR-10's full 50,000 / 10,000, which the data must hold exactly)
+    train_size: int = 0
     val_size: int = 0
     crop_padding: int = 4  # small-image random crop: pad by this, crop back
     flip: str = "random"  # random | alternating | none

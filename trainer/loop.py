@@ -74,6 +74,7 @@ class Trainer:
         if t.resume:
             done = checkpoint.load(Path(t.resume), self.arena, self.meta, dist.rank, model_only=evaluate_only)
             self.start_epoch, self.history = done["epoch"], done.get("history", [])
+            self._check_classes(t.resume, done.get("classes"))
             if not evaluate_only:
                 self._check_epoch_length(t.resume, done.get("steps_per_epoch"), done.get("train_examples"),
                                          done.get("config", {}))
@@ -382,7 +383,8 @@ class Trainer:
         folder = self.run_dir / "checkpoints"
         meta = {**self.meta, "config": options(self.cfg), "epoch": epochs_done, "history": self.history,
                 "steps_per_epoch": self.per_epoch, "steps": min(epochs_done * self.per_epoch, self.total_steps),
-                "schedule_steps": self.total_steps, "train_examples": self.train_source.shard.total}
+                "schedule_steps": self.total_steps, "train_examples": self.train_source.shard.total,
+                "classes": self.val_source.classes}
         checkpoint.save(folder / f"epoch_{epochs_done:04d}.pt", self.arena, meta, per_rank)
         checkpoint.prune(folder, self.cfg.trainer.keep_checkpoints)
 
@@ -432,6 +434,19 @@ class Trainer:
             f"{path} was trained in epochs of {saved} steps, and this run's have {self.per_epoch}: "
             "trainer.batch_size, data.train_size, trainer.drop_last or the number of ranks differ from the "
             "run that wrote it; resume with its values")
+
+    def _check_classes(self, path, written: list[str] | None):
+        """The class folders' names the checkpoint was trained on (None: none kept, or a data set
+        that names none) against this run's: label k is the k-th name, so a folder renamed or
+        put in another's place evaluated or trained each class's images under another's label."""
+        now = self.val_source.classes
+        if written is None or now is None or list(written) == now:
+            return
+        differ = [f"label {k}: {then!r} there, {here!r} here" for k, (then, here) in enumerate(zip(written, now))
+                  if then != here]
+        raise ConfigError(f"{path} was trained on other class folders than {self.cfg.data.root}'s ({'; '.join(differ[:3])}"
+                          f"{'; ...' if differ[3:] else ''}): its labels would name other classes; give data.root the "
+                          "data set it was trained on")
 
     def _check_whole_epochs(self, path, steps: int | None):
         """A fractional trainer.epochs ends its run part way through the last epoch, and the

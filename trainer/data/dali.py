@@ -85,6 +85,7 @@ class DaliSource:
 
     labels: np.ndarray
     parts = 1
+    classes: list[str] | None = None
 
     def __init__(self, shard: Shard, num_classes: int, mean, std, d: DataConfig, seed: int,
                  device: torch.device, half: torch.dtype | None, augment: bool):

@@ -77,10 +77,10 @@ def read(path: str) -> np.ndarray:
 
 
 class JpegFolderSource(DaliSource):
-    def __init__(self, files: list[str], labels: np.ndarray, shard: Shard, num_classes: int, d: DataConfig,
+    def __init__(self, files: list[str], labels: np.ndarray, classes: list[str], shard: Shard, d: DataConfig,
                  seed: int, device: torch.device, half: torch.dtype | None, augment: bool):
-        super().__init__(shard, num_classes, IMAGENET_MEAN, IMAGENET_STD, d, seed, device, half, augment)
-        self.files, self.labels = files, labels
+        super().__init__(shard, len(classes), IMAGENET_MEAN, IMAGENET_STD, d, seed, device, half, augment)
+        self.files, self.labels, self.classes = files, labels, classes
         # as fn.io.file.read takes them: the bytes of the name on disk, which need not be UTF-8
         self.paths = [np.frombuffer(os.fsencode(f), np.uint8) for f in files]
         self.host_crops = augment and torch.are_deterministic_algorithms_enabled()
@@ -179,6 +179,6 @@ def sources(d: DataConfig, train: Shard, val: Shard, seed: int, device: torch.de
     same_classes(str(named), classes, str(root / "val"), val_classes, d.num_classes)
     if d.check_files:
         check_files(train_files + val_files, d.threads)
-    return (JpegFolderSource(train_files, train_labels, train, len(classes), d, seed, device, half, augment=True)
+    return (JpegFolderSource(train_files, train_labels, classes, train, d, seed, device, half, augment=True)
             if read_train else None,
-            JpegFolderSource(val_files, val_labels, val, len(classes), d, seed, device, half, augment=False))
+            JpegFolderSource(val_files, val_labels, classes, val, d, seed, device, half, augment=False))

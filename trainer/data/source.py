@@ -18,6 +18,7 @@ from trainer.errors import DataError
 class Source(Protocol):
     size: int  # examples in this rank's shard per epoch
     num_classes: int
+    classes: list[str] | None  # the class folders' names, label k the k-th; None where they are fixed or made up
 
     def start_epoch(self, epoch: int, resolution: int) -> None:
         """Begin an epoch: train reshuffles from (seed, epoch); val keeps its order.
