@@ -1955,22 +1955,28 @@ def test_ctrl_c_during_the_benchmark_is_one_line(tmp_path, sent, status, said):
     assert said in printed and "terminate called" not in printed and "Traceback" not in printed, printed
 
 
+def a_damaged_val_image(monkeypatch):
+    """Every evaluation from here on fails, as a damaged validation image fails it as it is decoded."""
+    from trainer.errors import DataError
+    from trainer.loop import Trainer
+    run_steps = Trainer.run_steps
+
+    def failing(self, steps, source, on_step=None):
+        if source is self.val_source:
+            raise DataError("cannot decode val/img_7.JPEG: the file is damaged")
+        return run_steps(self, steps, source, on_step)
+    monkeypatch.setattr(Trainer, "run_steps", failing)
+
+
 def test_a_failed_evaluation_keeps_the_epoch_it_followed_in_a_checkpoint(tmp_path, monkeypatch):
     """A validation image found damaged (data.check_files=false) ended the run before the
     epoch just trained was saved: a resume trained it again. Now its checkpoint is written,
     with its training row, and under EMA with the live weights, not the EMA weights evaluation
     swaps in: a resume after the data is mended ends as an uninterrupted run."""
     from trainer.errors import DataError
-    from trainer.loop import Trainer
     common = ["trainer.epochs=3", "ema=true", "deterministic=true"]
     straight = train(tmp_path / "straight", *common)
-    run_steps = Trainer.run_steps
-
-    def a_damaged_val_image(self, steps, source, on_step=None):
-        if source is self.val_source:
-            raise DataError("cannot decode val/img_7.JPEG: the file is damaged")
-        return run_steps(self, steps, source, on_step)
-    monkeypatch.setattr(Trainer, "run_steps", a_damaged_val_image)
+    a_damaged_val_image(monkeypatch)
     with pytest.raises(DataError, match="cannot decode"):
         train(tmp_path / "a", *common)
     written = checkpoint.read(tmp_path / "a" / "checkpoints")["meta"]
@@ -1991,13 +1997,7 @@ def test_a_failed_last_evaluation_is_done_by_the_resume_once_the_data_is_mended(
     from trainer.loop import Trainer
     common = ["trainer.epochs=2", "trainer.eval_every=2"]
     straight = train(tmp_path / "straight", *common)
-    run_steps = Trainer.run_steps
-
-    def a_damaged_val_image(self, steps, source, on_step=None):
-        if source is self.val_source:
-            raise DataError("cannot decode val/img_7.JPEG: the file is damaged")
-        return run_steps(self, steps, source, on_step)
-    monkeypatch.setattr(Trainer, "run_steps", a_damaged_val_image)
+    a_damaged_val_image(monkeypatch)
     with pytest.raises(DataError):
         train(tmp_path / "a", *common)
     monkeypatch.undo()
