@@ -9,6 +9,7 @@ Run as a script, this file is a trainer process for the end-to-end tests (see th
 import functools
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -62,7 +63,8 @@ def _ghost_forward(bn, chunks, *inputs):
 
 
 # -- without processes ---------------------------------------------------------------------------
-TORCHRUN = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "TORCHELASTIC_RUN_ID": "job7"}
+TORCHRUN = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+            "TORCHELASTIC_RUN_ID": "job7"}
 
 
 def test_torchrun_ranks_share_one_run_directory_and_rank_0_its_log():
@@ -98,7 +100,8 @@ def test_torchrun_variables_outside_a_launched_job_leave_a_single_process(tmp_pa
     for env in ({}, {"WORLD_SIZE": "2"}, {"RANK": "1", "LOCAL_RANK": "x"}, {"TORCHELASTIC_RESTART_COUNT": "x"}):
         assert ranks(env) == (0, 1, 0)
     assert ranks({**TORCHRUN, "RANK": "1", "LOCAL_RANK": "1"}) == (1, 2, 1)
-    for wrong, key in (({"RANK": "x"}, "RANK='x'"), ({}, "RANK=''"), ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE='0'")):
+    for wrong, key in (({"RANK": "x"}, "RANK='x'"), ({}, "RANK=''"), ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE='0'"),
+                       ({"RANK": "0", "MASTER_PORT": ""}, "MASTER_PORT=''")):  # torch's rendezvous: a traceback
         with pytest.raises(ConfigError, match=f"^{key} in the environment, with WORLD_SIZE and MASTER_ADDR there: "
                                               "torchrun sets them; start the job with torchrun, or unset them"):
             ranks({**TORCHRUN, **wrong})
@@ -553,6 +556,19 @@ def test_a_set_up_that_fails_on_one_rank_is_named_on_rank_0(tmp_path):
     log = (tmp_path / "run.log").read_text()
     assert "the set-up failed on rank 1: run_rank1.log in the run's folder says why" in log and "Traceback" not in log
     assert "missing data.root /nonexistent/cifar" in (tmp_path / "run_rank1.log").read_text()
+
+
+def test_a_rank_that_dies_part_way_is_one_line_on_the_others_with_where_to_go_on(tmp_path):
+    """Rank 1 killed in epoch 2: rank 0's collective failed with gloo's "Connection reset by
+    peer" in two tracebacks that named neither what happened nor the checkpoint to go on from."""
+    run_dir = tmp_path / "run"
+    launch(run_dir, "device=cpu", f"trainer.batch_size={BATCH}", restarts=0,
+           env={"TEST_KILL_AT_STEP": str(PER_EPOCH + PER_EPOCH // 2)})
+    log = (run_dir / "run.log").read_text()  # torchrun's agent adds its own traceback for the rank it lost
+    assert "Traceback" not in log, log
+    assert re.search(r"ERROR\] - rank 0 lost the job's other ranks \(.+\): one ended, or did not answer within "
+                     r"dist.timeout_s; their logs \(run.log, run_rankN.log in the run's folder\) say why; to go on, "
+                     rf"continue from epoch_0001.pt with trainer.resume={run_dir}, under torchrun with 2 processes", log), log
 
 
 def test_a_failed_evaluation_on_one_rank_saves_the_epoch_it_followed_on_every_rank(tmp_path):

@@ -50,7 +50,7 @@ def command(run_dir: Path, *args, multirun=False) -> list[str]:
 def as_torchrun(monkeypatch, rank: int = 0, world: int = 1, restarts: int = 0):
     """This process's environment as torchrun gives its workers' (its variables count only
     where WORLD_SIZE and MASTER_ADDR say a launcher started the process)."""
-    for key, value in (("RANK", rank), ("WORLD_SIZE", world), ("MASTER_ADDR", "127.0.0.1"),
+    for key, value in (("RANK", rank), ("WORLD_SIZE", world), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", 29500),
                        ("TORCHELASTIC_RESTART_COUNT", restarts)):
         monkeypatch.setenv(key, str(value))
 
@@ -663,6 +663,8 @@ def test_an_interrupted_torchrun_job_is_told_to_continue_under_torchrun_with_its
     (["trainer.first_conv_freeze_epochs=5"], "trainer.first_conv_freeze_epochs=5 is not fewer than trainer.epochs=2: "
                                              "the first conv never freezes"),
     (["schedule=cosine"], None),
+    (["dist.shard_optimizer=true"], r"dist.shard_optimizer=True has no effect: it is read only with several ranks"),
+    (["model.pack_relu_masks=false"], "model.pack_relu_masks=False has no effect: it is read only with a ResNet"),
     (["schedule=cosine", "schedule.milestones=[1]"], r"schedule.milestones=\[1.0\] has no effect: it is read only with "
                                                       "schedule=step"),
 ])
@@ -1619,6 +1621,7 @@ def test_cutout_beyond_the_resident_small_images_is_refused(overrides):
     (["data.min_crop_area=0"], r"data.min_crop_area=0.0 must lie in \(0, 1\)"),
     (["optimizer=adamw", "optimizer.decoupled=true"], "optimizer.decoupled=true with optimizer=adamw: its units are"),
     (["optimizer.decoupled=true", "optimizer.nominal_batch=256"], "already scales with the batch"),
+    (["mode=bench", "bench.baselines=[]", "bench.optimizers=[]"], "mode=bench has nothing to time"),  # an empty table
 ])
 def test_settings_that_would_be_ignored_or_misread_are_refused(overrides, message):
     """Each would otherwise train without a word, or fail in a traceback: a key added by +
@@ -1790,8 +1793,8 @@ def test_deterministic_takes_fixed_order_kernels_and_false_gives_them_back():
 def test_bench_times_the_plain_loops_with_autotuning_whatever_ours_uses(monkeypatch):
     """The hand-written loop a user tunes for speed autotunes cuDNN; model.cudnn_benchmark=false
     is a setting of ours alone, and it holds again for our step. bench.baseline_autotune=false
-    times the plain loops as torch leaves cuDNN, and says so in the table, as it says that
-    deterministic=true holds for every method."""
+    times the plain loops as torch leaves cuDNN, and a GPU's table says so, as it says that
+    deterministic=true holds for every method; a CPU's says nothing of cuDNN."""
     from trainer import bench
     seen = []
 
@@ -1799,12 +1802,16 @@ def test_bench_times_the_plain_loops_with_autotuning_whatever_ours_uses(monkeypa
         seen.append((method, torch.backends.cudnn.benchmark))
         return bench.Result(method, 1.0, 1.0, 0.0, 0.0)
     monkeypatch.setattr(bench, "_measure", measure)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "a GPU")
     cfg = config("mode=bench", "trainer.batch_size=32", "model.cudnn_benchmark=false", "bench.baselines=[eager_bf16]")
-    assert "the plain loops autotune cuDNN" in bench.run(cfg, torch.device("cpu"), cfg.bench.optimizers)
+    assert "cuDNN" not in bench.run(cfg, torch.device("cpu"), cfg.bench.optimizers)
+    assert "a GPU, torch" in bench.table(cfg, [], torch.device("cuda")) and \
+        "the plain loops autotune cuDNN" in bench.table(cfg, [], torch.device("cuda"))
     assert seen == [("eager_bf16", True), ("ours momentum fp32 eager", False)]
     seen.clear()  # the loop as torch leaves it, beside ours autotuning
     cfg = config("mode=bench", "trainer.batch_size=32", "bench.baseline_autotune=false", "bench.baselines=[eager_bf16]")
-    assert "the plain loops take cuDNN's heuristic choice" in bench.run(cfg, torch.device("cpu"), cfg.bench.optimizers)
+    bench.run(cfg, torch.device("cpu"), cfg.bench.optimizers)
+    assert "the plain loops take cuDNN's heuristic choice" in bench.table(cfg, [], torch.device("cuda"))
     assert seen == [("eager_bf16", False), ("ours momentum fp32 eager", True)]
     seen.clear()  # deterministic=true holds for every method, and the table says so
     cfg = config("mode=bench", "trainer.batch_size=32", "deterministic=true", "bench.baselines=[eager_bf16]")

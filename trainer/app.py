@@ -25,8 +25,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from trainer.config import (CHECKPOINT_OPTIONS, GOING_ON, RUN_OPTIONS, TrainConfig, chosen_keys, expand_paths,
-                            first_line, given_changes, given_options, read_by, recorded, take_options, validate)
-from trainer.errors import CheckpointError, ConfigError, DataError, TrainerError, WriteError
+                            first_line, given_changes, given_options, ignored, read_by, recorded, take_options,
+                            validate)
+from trainer.errors import CheckpointError, ConfigError, DataError, PeerError, TrainerError, WriteError
 from trainer.run_dir import (PARTS, continue_with, find_checkpoint, given, other_run, override, ranks,
                              restart_checkpoint, restarted, resumed_folder, saved, writing)
 
@@ -39,6 +40,8 @@ def run_plan(cfg: TrainConfig, run_dir: Path):
     from trainer.setup import make_plans
     plans = make_plans(cfg, cfg.dist.plan_ranks or from_env().world)[1]
     if _is_main():
+        for why in ignored(cfg):  # dist.shard_optimizer=true planned for one rank is planned unsharded
+            log.warning("%s", why)
         print(region_table(plans))
         _write_plan(plans, run_dir)
         log.info("wrote %s", run_dir / "plan.json")
@@ -544,8 +547,8 @@ def _where_to_continue(cfg: DictConfig, run_dir: Path, hydra: DictConfig) -> str
 
 
 def _to_go_on(run_dir: Path, hydra: DictConfig) -> str:
-    """How a training run that stopped on a damaged data file (one rank's: dist's relay) goes
-    on from its newest checkpoint: an epoch whose evaluation failed was saved first."""
+    """How a training run that stopped on a damaged data file, or on another rank's failure,
+    goes on from its newest checkpoint: an epoch whose evaluation failed was saved first."""
     return _sweep_goes_on(run_dir, hydra) if hydra.mode == RunMode.MULTIRUN else _continue_from_newest(run_dir)
 
 
@@ -673,8 +676,9 @@ def main(dict_cfg: DictConfig):
         MODES[cfg.mode](cfg, run_dir)
     except TrainerError as e:
         why = f"{e}{_once_there_is_room(e, dict_cfg, run_dir, HydraConfig.get()) if isinstance(e, WriteError) else ''}"
-        if type(e) in (DataError, TrainerError) and dict_cfg.mode == "train" and saved(run_dir / "checkpoints"):
-            why += f"; once that is mended, {_to_go_on(run_dir, HydraConfig.get())}"
+        if isinstance(e, (DataError, PeerError)) and dict_cfg.mode == "train" and saved(run_dir / "checkpoints"):
+            why += f"; {'once that is mended' if isinstance(e, DataError) else 'to go on'}, " \
+                   f"{_to_go_on(run_dir, HydraConfig.get())}"
         log.error("%s", why)
         if HydraConfig.get().mode == RunMode.MULTIRUN and not isinstance(e, WriteError):
             return JobFailed(why)  # the sweep goes on to its next job

@@ -250,8 +250,9 @@ def table(cfg: TrainConfig, results: list[Result], device) -> str:
     eager, compiled = ref.get("eager_bf16"), ref.get("compile_bf16")
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     lines = [f"{cfg.model.name}, batch {cfg.trainer.batch_size}, {cfg.data.resolution}x{cfg.data.resolution}, "
-             f"{gpu}, torch {torch.__version__}, {date.today().isoformat()}; the plain loops "
-             + ("autotune cuDNN" if cfg.bench.baseline_autotune else "take cuDNN's heuristic choice")
+             f"{gpu}, torch {torch.__version__}, {date.today().isoformat()}"
+             + ("" if device.type != "cuda" else "; the plain loops autotune cuDNN" if cfg.bench.baseline_autotune
+                else "; the plain loops take cuDNN's heuristic choice")
              + ("; deterministic=true: every method runs deterministic kernels only" if cfg.deterministic else ""), "",
              "| method | ms/step | images/s | vs eager bf16 | vs compile bf16 | peak GiB | first step s |",
              "|---|---|---|---|---|---|---|"]

@@ -8,7 +8,9 @@ makes N ranks at batch B/N compute the gradient of one rank at batch B. On a GPU
 collective runs on a communication stream of its own and is captured into the step's CUDA
 graph (NCCL); on a CPU they are plain gloo calls.
 """
+import functools
 import itertools
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -16,6 +18,7 @@ import torch
 import torch.distributed as td
 
 from kernels.reference import CHUNK
+from trainer.errors import PeerError
 from trainer.plan import Baseline as B
 from trainer.plan import MemoryPlan
 from trainer.planner import ModelTensors, unit_sizes
@@ -26,6 +29,24 @@ from trainer.regions import Region as R
 # torch 2.14 renames all_gather_into_tensor (deprecated there, with a warning a rank) to
 # all_gather_single; earlier versions have only the first
 all_gather = getattr(td, "all_gather_single", None) or td.all_gather_into_tensor
+
+
+def _with_the_others(collective):
+    """gloo's error for a rank that ended (connection reset) or hung past dist.timeout_s, which
+    came as two tracebacks, as one line saying so. NCCL's come from its watchdog, which ends
+    the process, not from the call."""
+    @functools.wraps(collective)
+    def call(self, *args):
+        try:
+            return collective(self, *args)
+        except RuntimeError as e:
+            if self.native_mean:
+                raise
+            why = re.sub(r"^\[[^\]]*\] ", "", str(e).splitlines()[0]).split(". ")[0]  # without gloo's source line
+            raise PeerError(f"rank {self.rank} lost the job's other ranks ({why}): one ended, or did not answer "
+                            "within dist.timeout_s; their logs (run.log, run_rankN.log in the run's folder) say "
+                            "why") from None
+    return call
 
 
 class Comm:
@@ -55,23 +76,28 @@ class Comm:
         n = x.numel() // self.world
         return x[self.rank * n:(self.rank + 1) * n]
 
+    @_with_the_others
     def mean_(self, x: torch.Tensor):
         td.all_reduce(x, op=self._mean_op)
         self._scale(x)
 
+    @_with_the_others
     def mean_share_(self, x: torch.Tensor):
         """Reduce-scatter: this rank's share of x becomes the mean over ranks of that share."""
         share = self.share(x)
         td.reduce_scatter_tensor(share, x, op=self._mean_op)
         self._scale(share)
 
+    @_with_the_others
     def gather_shares_(self, x: torch.Tensor):
         """All-gather: every rank's share of x, from the rank that owns it."""
         all_gather(x, self.share(x))
 
+    @_with_the_others
     def sum_(self, x: torch.Tensor):
         td.all_reduce(x)
 
+    @_with_the_others
     def max_(self, x: torch.Tensor):
         td.all_reduce(x, op=td.ReduceOp.MAX)
 

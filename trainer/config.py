@@ -20,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from trainer.errors import ConfigError
 from trainer.plan import OPTIMIZERS, PlanConfig
+from trainer.run_dir import launched
 
 
 @dataclass
@@ -468,6 +469,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for name in cfg.bench.optimizers:
         if name not in OPTIMIZERS:
             raise ConfigError(f"bench.optimizers: {name!r} is not one of {', '.join(OPTIMIZERS)}")
+    if cfg.mode == "bench" and not (cfg.bench.baselines or cfg.bench.optimizers):  # an empty table, written
+        raise ConfigError("bench.baselines and bench.optimizers are both empty: mode=bench has nothing to time; give "
+                          "either a method")
     if cfg.mode == "bench" and cfg.bench.out:  # before minutes of timing, whose table it would lose
         out = Path(cfg.bench.out)
         if out.is_dir():
@@ -726,6 +730,10 @@ _READ_ONLY_WITH = {
     **{f"model.{key}": (lambda c: c.model.name == "fastnet", "a fastnet model (model=fastnet, fastnet_tiny)")
        for key in ("widths", "stem_norm", "logit_scale", "head_std")},
     "model.stem": (lambda c: c.model.name.startswith("resnet"), "a torchvision ResNet (model=resnet18 ... resnet101)"),
+    "model.pack_relu_masks": (lambda c: c.model.name != "fastnet" and not c.compile, "a ResNet without compile=true"),
+    **{f"dist.{key}": (lambda c: launched() or c.dist.plan_ranks > 1,
+                       "several ranks (a torchrun job, or mode=plan with dist.plan_ranks=N)")
+       for key in ("backend", "shard_optimizer", "deep_conv_buckets")},
     **{f"data.{key}": (lambda c: c.data.name == "imagefolder", "data=imagefolder")
        for key in ("min_crop_area", "val_resize", "host_decode", "check_files")},
     "data.crop_padding": (lambda c: c.data.name in ("cifar10", "synthetic"), "data=cifar10 or synthetic (small images)"),

@@ -19,7 +19,7 @@ import torch.distributed as td
 
 from trainer.arena import Arena
 from trainer.collectives import Comm, GradSync, ShardedUpdate, all_gather
-from trainer.errors import ConfigError, PlanError, TrainerError
+from trainer.errors import ConfigError, PeerError, PlanError
 from trainer.regions import Region as R
 from trainer.run_dir import agent_started_at, given, launched, override, ranks, resumed_folder
 
@@ -100,7 +100,7 @@ class Dist:
             raise error
         if failed:
             logs = ", ".join("run.log" if r == 0 else f"run_rank{r}.log" for r in failed)
-            raise TrainerError(f"the {what} failed on rank {', '.join(map(str, failed))}: {logs} in the run's folder "
+            raise PeerError(f"the {what} failed on rank {', '.join(map(str, failed))}: {logs} in the run's folder "
                                "says why")
 
     def gather_per_rank(self, arena: Arena) -> dict:

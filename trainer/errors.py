@@ -17,6 +17,11 @@ class DataError(TrainerError):
     """Missing, empty or corrupt data; the message names the path."""
 
 
+class PeerError(TrainerError):
+    """Another rank of the job failed, ended, or did not answer in time; the message says
+    which, or where its log is."""
+
+
 class CheckpointError(TrainerError):
     """A checkpoint that cannot be read or belongs to another model or plan."""
 

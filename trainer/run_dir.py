@@ -134,6 +134,10 @@ def ranks(env=os.environ) -> tuple[int, int, int]:
             raise ConfigError(f"{key}={text!r} in the environment, with WORLD_SIZE and MASTER_ADDR there: torchrun "
                               f"sets them; start the job with torchrun, or unset them for a single process")
         values.append(int(text))
+    if not env.get("MASTER_PORT", "").isdigit():  # else torch's rendezvous ended in its traceback
+        raise ConfigError(f"MASTER_PORT={env.get('MASTER_PORT', '')!r} in the environment, with WORLD_SIZE and "
+                          "MASTER_ADDR there: torchrun sets them; start the job with torchrun, or unset them for a "
+                          "single process")
     return tuple(values)
 
 
