@@ -140,10 +140,13 @@ def test_a_sweep_goes_on_with_its_overrides_in_another_order_and_runs_its_other_
 def test_a_sweep_stopped_by_stop_after_epoch_goes_on_with_a_later_stop_or_none(tmp_path):
     """trainer.stop_after_epoch stops every job of a sweep as a preemption would; the sweep
     run again without it (or with a later epoch), as the jobs' refusal of the same stop
-    advised, was refused as another sweep's. The machine's options may differ too."""
+    advised, was refused as another sweep's, and with the same stop each job failed. The
+    machine's options may differ too."""
     sweep = tmp_path / "sweep"
     args = [*SMALL, "trainer.epochs=3", "trainer.seed=1,2"]
     assert run(sweep, *args, "trainer.stop_after_epoch=1", multirun=True).returncode == 0
+    same = run(sweep, *args, "trainer.stop_after_epoch=1", multirun=True)  # its jobs stopped where it stops them
+    assert same.returncode == 0 and "stops it: nothing left to train" in same.stdout, same.stdout + same.stderr
     later = run(sweep, *args, "trainer.stop_after_epoch=2", "data.threads=1", multirun=True)
     assert later.returncode == 0, later.stdout + later.stderr
     assert run(sweep, *args, multirun=True).returncode == 0

@@ -15,7 +15,7 @@ from tests.helpers import serve
 from tests.test_data_jpeg_folder import as_a_user  # noqa: F401  (a fixture)
 from trainer.config import DataConfig, TrainConfig, TrainerConfig
 from trainer.data import _FULL_SIZE, build_sources, cifar
-from trainer.data.cifar import CIFAR_MEAN, CIFAR_STD
+from trainer.data.cifar import CIFAR10_CLASSES, CIFAR_MEAN, CIFAR_STD
 from trainer.errors import DataError
 
 CPU = torch.device("cpu")
@@ -277,7 +277,7 @@ def test_a_python_batch_that_is_not_one_is_named_with_why(batches, tmp_path, dam
         build_sources(config(tmp_path), CPU, 0, 1, None)
 
 
-CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+CLASSES = list(CIFAR10_CLASSES)
 
 
 def jpeg_tree(root: Path, test_classes: list[str]) -> Path:
@@ -306,6 +306,21 @@ def test_test_class_folders_named_otherwise_than_trains_are_refused(tmp_path, pa
     with pytest.raises(DataError, match=r"'s test and .*'s train differ in their class folders \(automobile, car\): "
                                         r"both need the same ones, or the labels would not match$"):
         build_sources(config(roots[1]), CPU, 0, 1, None)
+
+
+def test_sources_name_their_classes_as_a_checkpoint_keeps_them(tmp_path, batches):
+    """Label k is the k-th class folder's name: checkpoints keep the names (trainer/loop.py),
+    so that a tree renamed since is refused rather than read under other labels. An
+    archive's entry in the decode cache keeps them too; the python batches' are CIFAR-10's."""
+    tree = jpeg_tree(tmp_path / "tree", CLASSES)
+    train, val = build_sources(config(tree), CPU, 0, 1, None)
+    assert train.classes == val.classes == list(CLASSES)
+    with tarfile.open(tmp_path / "tree.tgz", "w:gz") as tar:
+        tar.add(tree, arcname="cifar10")
+    cached = config(tmp_path / "tree.tgz", decode_cache=str(tmp_path / "cache"))
+    for _ in range(2):  # decoded, then loaded from the entry
+        assert build_sources(cached, CPU, 0, 1, None)[1].classes == list(CLASSES)
+    assert build_sources(config(batches), CPU, 0, 1, None)[1].classes == list(CIFAR10_CLASSES)
 
 
 def test_evaluation_alone_decodes_the_test_split_only(tmp_path):

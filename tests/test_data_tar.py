@@ -111,9 +111,11 @@ def test_a_damaged_or_truncated_archive_is_refused_with_its_path(tmp_path):
     cut.write_bytes(bytes(data[:3 * 512]))  # between two members: what is left reads as a shorter archive
     lettered = tmp_path / "lettered.tar"  # letters in a checksum's field: int()'s ValueError, as no archive's
     lettered.write_bytes(bytes(data[:3 * 512 + 148]) + b"garbage!" + bytes(data[3 * 512 + 156:]))
+    first = tmp_path / "first.tar"  # the first header's checksum changed: a tar archive still ("ustar" at 257)
+    first.write_bytes(bytes(data[:150]) + bytes([data[150] ^ 0x01]) + bytes(data[151:]))
     for path, why in ((damaged, "damaged tar header at byte 1536"), (truncated, "its gzip stream: Compressed file ended"),
                       (cut, "ends at byte 1536 without its end-of-archive blocks"),
-                      (lettered, "damaged tar header at byte 1536")):
+                      (lettered, "damaged tar header at byte 1536"), (first, "damaged tar header at byte 0")):
         with pytest.raises(DataError, match=f"^the archive {path} is damaged or truncated \\(.*{why}.*\\): "
                                             f"download or copy it again$"):
             build_sources(cifar(path), CPU, 0, 1, None)

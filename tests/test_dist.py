@@ -571,6 +571,26 @@ def test_a_rank_that_dies_part_way_is_one_line_on_the_others_with_where_to_go_on
                      rf"continue from epoch_0001.pt with trainer.resume={run_dir}, under torchrun with 2 processes", log), log
 
 
+def test_every_gloo_collective_names_a_lost_rank_in_one_line(monkeypatch):
+    """The checkpoint's gather and the set-up's broadcast called torch directly: a rank that
+    hung there still ended the others in gloo's tracebacks."""
+    from trainer import collectives
+    from trainer.errors import PeerError
+
+    def lost(*args, **kwargs):
+        raise RuntimeError("[../gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 10000ms for send "
+                           "operation to complete. This is typically caused by ...")
+    monkeypatch.setattr(collectives, "all_gather", lost)
+    monkeypatch.setattr(collectives.td, "broadcast", lost)
+    monkeypatch.setattr(collectives.td, "all_reduce", lost)
+    comm, x = collectives.Comm(1, 2, torch.device("cpu"), "gloo"), torch.zeros(4)
+    for call in (lambda: comm.gather_(torch.zeros(8), x), lambda: comm.broadcast_(x), lambda: comm.sum_(x)):
+        with pytest.raises(PeerError, match=r"^rank 1 lost the job's other ranks \(Timed out waiting 10000ms for send "
+                                            r"operation to complete\): one ended, or did not answer within "
+                                            r"dist.timeout_s"):
+            call()
+
+
 def test_a_failed_evaluation_on_one_rank_saves_the_epoch_it_followed_on_every_rank(tmp_path):
     """Rank 1's share of the evaluation set fails (a damaged image): rank 0 waited for it in
     the evaluation's sums, and the epoch just trained was not saved, so a resume trained it

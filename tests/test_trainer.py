@@ -906,8 +906,18 @@ def test_a_checkpoint_whose_layout_fits_but_whose_optimizer_or_half_type_differs
                                               "evaluation and export take them"):
         Trainer(config(*TINY, "mode=eval", "amp=true", "amp_dtype=fp16", resume), tmp_path / "d", Dist(),
                 evaluate_only=True)
-    # another optimizer's checkpoint still evaluates: its model is the same
+    # another optimizer's checkpoint still evaluates: its model is the same, also from a checkpoint
+    # written before they kept the model's fingerprint, which compared the optimizer too
     Trainer(config(*TINY, "mode=eval", *bf16, "optimizer=momentum", resume), tmp_path / "e", Dist(), evaluate_only=True)
+    path = find_checkpoint(tmp_path / "a")
+    payload = torch.load(path, weights_only=True)
+    del payload["model_fingerprint"]
+    torch.save(payload, path)
+    Trainer(config(*TINY, "mode=eval", *bf16, "optimizer=momentum", resume), tmp_path / "f", Dist(), evaluate_only=True)
+    # without AMP, amp_dtype is read by nothing: not compared
+    train(tmp_path / "fp32", "trainer.epochs=1")
+    Trainer(config(*TINY, "mode=eval", "amp_dtype=bf16", f"trainer.resume={tmp_path / 'fp32'}"), tmp_path / "g", Dist(),
+            evaluate_only=True)
 
 
 def test_a_metrics_file_that_cannot_be_made_is_one_line_naming_it(tmp_path):

@@ -379,8 +379,8 @@ def _refuse_another_jobs(folder: Path, job_config: DictConfig, config: DictConfi
 
 def _the_job(overrides: list[str]) -> list[str]:
     """What makes a sweep's job the one it is: its overrides, in any order, but for those a
-    sweep run again to go on may give otherwise (GOING_ON: trainer.stop_after_epoch=1 given
-    again would stop every job where it stopped)."""
+    sweep run again to go on may give otherwise (GOING_ON: a later trainer.stop_after_epoch,
+    or none, goes on past the one it stopped at)."""
     return sorted(o for o in overrides if o.partition("=")[0].lstrip("+~") not in GOING_ON)
 
 
@@ -395,8 +395,8 @@ def _started_as(folder: Path, config: DictConfig) -> list[str] | None:
 def _another_sweeps(sweep: Path, job: Path) -> ConfigError:
     return ConfigError(f"{sweep} holds another sweep's jobs ({job.name}/ has its checkpoints or results): give this "
                        "sweep a folder of its own (hydra.sweep.dir=...); a sweep goes on in its folder only with the "
-                       f"command line it was started with, but for {GOING_ON[0]} and the machine's options "
-                       f"({', '.join(GOING_ON[1:])})")
+                       f"command line it was started with, but for trainer.stop_after_epoch and the machine's "
+                       f"options ({', '.join(key for key in GOING_ON if key != 'trainer.stop_after_epoch')})")
 
 
 def _shown(job) -> str:
@@ -676,7 +676,9 @@ def main(dict_cfg: DictConfig):
         MODES[cfg.mode](cfg, run_dir)
     except TrainerError as e:
         why = f"{e}{_once_there_is_room(e, dict_cfg, run_dir, HydraConfig.get()) if isinstance(e, WriteError) else ''}"
-        if isinstance(e, (DataError, PeerError)) and dict_cfg.mode == "train" and saved(run_dir / "checkpoints"):
+        # rank 0 writes the checkpoints: another rank may look before the newest is in place
+        if isinstance(e, (DataError, PeerError)) and dict_cfg.mode == "train" and _is_main() \
+                and saved(run_dir / "checkpoints"):
             why += f"; {'once that is mended' if isinstance(e, DataError) else 'to go on'}, " \
                    f"{_to_go_on(run_dir, HydraConfig.get())}"
         log.error("%s", why)

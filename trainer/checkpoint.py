@@ -84,17 +84,18 @@ def load(path: Path, arena: Arena, meta_now: dict, rank: int = 0, model_only: bo
     path = find_checkpoint(path)
     payload = read(path)
     plan = arena.plan
-    model_only = model_only and "model_fingerprint" in payload
     # the recorded options first: fp16 and bf16 weights, nesterov's and momentum's state have
-    # the same layout, and restored into the other they were garbage or another optimizer's
+    # the same layout, and restored into the other they were garbage or another optimizer's;
+    # evaluation and export compare the model's options alone, whatever the checkpoint's age
     changed = _changed(payload["meta"], meta_now, model_only)
+    evaluating, model_only = model_only, model_only and "model_fingerprint" in payload
     if changed or (payload["model_fingerprint"] != model_fingerprint(plan) if model_only
                    else payload["state_fingerprint"] != state_fingerprint(plan)):
         why, options_differ = ("; ".join(changed), True) if changed else _difference(payload, plan, model_only)
         overrides = run_folder(path) / ".hydra" / "overrides.yaml"  # where Hydra keeps the writer's command line
         advice = ""
         if options_differ and ("config" in payload["meta"] or model_only and "options" in payload["meta"]):
-            advice = (f"; leave those options out: {'evaluation and export take' if model_only else 'a resumed run takes'}"
+            advice = (f"; leave those options out: {'evaluation and export take' if evaluating else 'a resumed run takes'}"
                       " them from the checkpoint")
         elif options_differ:  # written before checkpoints kept their run's options
             listed = f" ({overrides} lists them)" if overrides.exists() else ""
@@ -224,7 +225,8 @@ def _changed(then: dict, now: dict, model_only: bool) -> list[str]:
     """The options of IDENTITY (MODEL_IDENTITY for evaluation and export) on which the
     checkpoint's run (`then`) and this one differ."""
     return [f"{k}: checkpoint {then.get(k)!r}, this run {now.get(k)!r}"
-            for k in (MODEL_IDENTITY if model_only else IDENTITY) if k in then and then[k] != now.get(k)]
+            for k in (MODEL_IDENTITY if model_only else IDENTITY) if k in then and then[k] != now.get(k)
+            and (k != "amp_dtype" or then.get("amp") and now.get("amp"))]  # without AMP it says nothing
 
 
 def _difference(payload: dict, plan: MemoryPlan, model_only: bool) -> tuple[str, bool]:

@@ -42,7 +42,7 @@ def _with_the_others(collective):
         except RuntimeError as e:
             if self.native_mean:
                 raise
-            why = re.sub(r"^\[[^\]]*\] ", "", str(e).splitlines()[0]).split(". ")[0]  # without gloo's source line
+            why = re.sub(r"^\[[^\]]*\] ", "", (str(e).splitlines() or [type(e).__name__])[0]).split(". ")[0]
             raise PeerError(f"rank {self.rank} lost the job's other ranks ({why}): one ended, or did not answer "
                             "within dist.timeout_s; their logs (run.log, run_rankN.log in the run's folder) say "
                             "why") from None
@@ -92,6 +92,16 @@ class Comm:
     def gather_shares_(self, x: torch.Tensor):
         """All-gather: every rank's share of x, from the rank that owns it."""
         all_gather(x, self.share(x))
+
+    @_with_the_others
+    def gather_(self, out: torch.Tensor, x: torch.Tensor):
+        """All-gather: every rank's x, rank after rank, into out."""
+        all_gather(out, x)
+
+    @_with_the_others
+    def broadcast_(self, x: torch.Tensor):
+        """Rank 0's x on every rank."""
+        td.broadcast(x, src=0)
 
     @_with_the_others
     def sum_(self, x: torch.Tensor):

@@ -730,7 +730,7 @@ _READ_ONLY_WITH = {
     **{f"model.{key}": (lambda c: c.model.name == "fastnet", "a fastnet model (model=fastnet, fastnet_tiny)")
        for key in ("widths", "stem_norm", "logit_scale", "head_std")},
     "model.stem": (lambda c: c.model.name.startswith("resnet"), "a torchvision ResNet (model=resnet18 ... resnet101)"),
-    "model.pack_relu_masks": (lambda c: c.model.name != "fastnet" and not c.compile, "a ResNet without compile=true"),
+    "model.pack_relu_masks": (lambda c: c.model.name != "fastnet", "a ResNet"),
     **{f"dist.{key}": (lambda c: launched() or c.dist.plan_ranks > 1,
                        "several ranks (a torchrun job, or mode=plan with dist.plan_ranks=N)")
        for key in ("backend", "shard_optimizer", "deep_conv_buckets")},

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as td
 
 from trainer.arena import Arena
-from trainer.collectives import Comm, GradSync, ShardedUpdate, all_gather
+from trainer.collectives import Comm, GradSync, ShardedUpdate
 from trainer.errors import ConfigError, PeerError, PlanError
 from trainer.regions import Region as R
 from trainer.run_dir import agent_started_at, given, launched, override, ranks, resumed_folder
@@ -57,14 +57,14 @@ class Dist:
         self.agree("plan fingerprint", engine.plans.fingerprint())
         self.agree("gradient buckets", hashlib.sha256(self.grad_sync.layout().encode()).hexdigest()[:16])
         offset, nbytes = engine.arena.plan.range(R.B_PREV_MEAN, R.A_DEEP_CONV)
-        td.broadcast(engine.arena.storage[offset:offset + nbytes], src=0)
+        self.comm.broadcast_(engine.arena.storage[offset:offset + nbytes])
         self.grad_sync.watch(engine.model, engine.plans.tensors[engine.plans.variants[0].name])
 
     def agree(self, what: str, value: str):
         """Stop every rank, naming the ranks whose `value` differs from rank 0's."""
         mine = torch.tensor(list(value.encode().ljust(64)[:64]), dtype=torch.uint8, device=self._device())
         every = torch.empty(self.world * 64, dtype=torch.uint8, device=mine.device)
-        all_gather(every, mine)
+        self.comm.gather_(every, mine)
         values = [bytes(row).decode().rstrip() for row in every.view(self.world, 64).tolist()]
         differ = [r for r, v in enumerate(values) if v != values[0]]
         if differ:
@@ -116,7 +116,7 @@ class Dist:
             if (r in own_stats or plan.config.sharded(r)) and plan.region_bytes(r):
                 offset, nbytes = plan.range(r)
                 every = torch.empty(self.world * nbytes, dtype=torch.uint8, device=arena.device)
-                all_gather(every, arena.storage[offset:offset + nbytes])
+                self.comm.gather_(every, arena.storage[offset:offset + nbytes])
                 out[r.name] = every.cpu()
         return out
 

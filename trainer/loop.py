@@ -30,7 +30,7 @@ from trainer.future import TensorFuture
 from trainer.metrics import MetricsLog, Stopwatch, plot_curves, write_summary
 from trainer.plan import Baseline as B
 from trainer.regions import Region as R
-from trainer.run_dir import RECORDS, continue_with, other_run, restart_checkpoint, saved
+from trainer.run_dir import RECORDS, continue_with, other_run, restart_checkpoint, saved, swept
 from trainer.schedule import lr_multipliers
 from trainer.planner import bn_eps, first_conv
 from trainer.setup import assemble, use_device
@@ -69,7 +69,7 @@ class Trainer:
         self.feeder = DoubleBuffer(self.arena, self.plans.tensors)
         self.meta = checkpoint.identity(cfg)
         self.start_epoch, self.history = 0, []
-        self.stopped = False  # a torchrun restart after the checkpoint trainer.stop_after_epoch asked for
+        self.stopped = False  # a torchrun restart or a sweep's job after the checkpoint trainer.stop_after_epoch asked for
         self.images, self.train_seconds, self.first_step_s = 0, 0.0, None  # of this run, as train_epoch adds them
         if t.resume:
             done = checkpoint.load(Path(t.resume), self.arena, self.meta, dist.rank, model_only=evaluate_only)
@@ -90,16 +90,18 @@ class Trainer:
         ready = self.clock()
         # a finished run resumed, or torchrun restarting a job after its last checkpoint
         self.finished = not evaluate_only and (self.stopped or self.start_epoch >= math.ceil(t.epochs))
-        # its last epoch's evaluation failed (a damaged image) after the epoch was saved: evaluated now
+        # its last epoch has no evaluation (one that failed on a damaged image, or a stop between
+        # evaluations with trainer.epochs lowered to it): evaluated now
         self.unevaluated = (self.finished and not self.stopped and self.start_epoch == math.ceil(t.epochs)
                             and bool(self.history) and "val_loss" not in self.history[-1])
         if self.stopped:
-            log.info("torchrun restarted the job after epoch %d's checkpoint, where trainer.stop_after_epoch=%d "
-                     "stops it: nothing left to train; continue with %s", self.start_epoch, t.stop_after_epoch,
-                     continue_with(run_dir, dist.world))
+            log.info("%s after epoch %d's checkpoint, where trainer.stop_after_epoch=%d stops it: nothing left to train; "
+                     "continue with %s", "a sweep run again goes on with this job" if swept() else
+                     "torchrun restarted the job", self.start_epoch, t.stop_after_epoch,
+                     "a later trainer.stop_after_epoch, or none" if swept() else continue_with(run_dir, dist.world))
         elif self.unevaluated:
-            log.info("%s has trained all %d epoch(s); its last evaluation failed, and is done now", t.resume,
-                     self.start_epoch)
+            log.info("%s has trained all %d epoch(s), the last without an evaluation (it failed, or was not due): "
+                     "evaluating it now", t.resume, self.start_epoch)
         elif self.finished:
             log.info("%s has trained %d epoch(s), all that trainer.epochs=%g asks for: nothing left to train; raise "
                      "trainer.epochs to train on, or evaluate it with mode=eval checkpoint=%s",
@@ -463,10 +465,11 @@ class Trainer:
     def _check_stop(self, path) -> bool:
         """trainer.stop_after_epoch at or before the epoch a run resumes after would stop it
         only after one more epoch: the stop given again with the first command's options.
-        True where torchrun restarted the job after that stop's own checkpoint: it is done."""
+        True where torchrun restarted the job, or a sweep run again goes on with a job, after
+        that stop's own checkpoint: it is done."""
         stop = self.cfg.trainer.stop_after_epoch
         if stop and stop <= self.start_epoch:
-            if stop == self.start_epoch and restart_checkpoint(self.run_dir):
+            if stop == self.start_epoch and (restart_checkpoint(self.run_dir) or swept()):  # the same command again
                 return True
             raise ConfigError(f"trainer.stop_after_epoch={stop}: {path} has trained {self.start_epoch} epoch(s) "
                               f"already; give a later epoch to stop after, or leave it out to train to the end")

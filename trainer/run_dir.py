@@ -116,6 +116,13 @@ def restarted() -> bool:
     return launched() and count.isdigit() and int(count) > 0
 
 
+def swept() -> bool:
+    """Whether this process runs a job of a Hydra sweep (-m)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
 def launched(env=os.environ) -> bool:
     """Started by torchrun (or another launcher that sets the env:// rendezvous)."""
     return "WORLD_SIZE" in env and "MASTER_ADDR" in env

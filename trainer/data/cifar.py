@@ -29,6 +29,8 @@ CIFAR_STD = (0.2470, 0.2435, 0.2616)
 SPLIT_DIRS = {"train": ("train",), "val": ("test", "val")}
 BATCH_FILES = {"train": [f"data_batch_{i}" for i in range(1, 6)], "val": ["test_batch"]}
 BATCH_CLASSES = 10  # the python batches' labels: CIFAR-10's
+# their names, label k the k-th: in the JPEG tree's folders, sorted, the same order
+CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 
 
 def read_archive(path: Path, raw: bytes) -> dict[str, bytes]:
@@ -155,17 +157,17 @@ def train_classes(root: Path, members: dict[str, bytes] | None) -> list[str] | N
 
 
 def jpeg_splits(root: Path, members: dict[str, bytes] | None, d: DataConfig,
-                splits=tuple(SPLIT_DIRS)) -> dict[str, tuple[list[str], np.ndarray]]:
+                splits=tuple(SPLIT_DIRS)) -> tuple[dict[str, tuple[list[str], np.ndarray]], list[str]]:
     """(names, labels) of each of `splits`' JPEGs, once the evaluation split is found to have
     the training split's data.num_classes class folders (evaluation alone lists the training
-    split's folder names only, where it has them)."""
+    split's folder names only, where it has them), and those class folders' names."""
     listed = {s: jpeg_list(root, s, members) for s in splits}
     val_names, _, val_classes = listed["val"]
     val_dir = val_names[0].split("/")[-3]  # test/ or val/, whichever the data set has
     classes = listed["train"][2] if "train" in listed else train_classes(root, members)
     named = f"{root}'s {'train' if classes else val_dir}"
     same_classes(named, classes or val_classes, f"{root}'s {val_dir}", val_classes, d.num_classes)
-    return {s: (names, labels) for s, (names, labels, _) in listed.items()}
+    return {s: (names, labels) for s, (names, labels, _) in listed.items()}, classes or val_classes
 
 
 def _read(path: str) -> bytes:
@@ -185,19 +187,21 @@ def read_jpegs(root: Path, split: str, names: list[str], labels: np.ndarray, n: 
 
 
 def decode(root: Path, raw: bytes | None, d: DataConfig, sizes: dict[str, int]) -> dict[str, np.ndarray]:
-    """Each split's images (N, 32, 32, 3) uint8 and labels in host memory."""
+    """Each split's images (N, 32, 32, 3) uint8 and labels in host memory, and the classes'
+    names (label k the k-th)."""
     members = read_archive(root, raw) if raw is not None else None
     batches = python_batches(root, members)
     if batches is not None and d.num_classes != BATCH_CLASSES:
         raise DataError(f"{root} holds CIFAR-10's python batches, {BATCH_CLASSES} classes, but "
                         f"data.num_classes={d.num_classes}; set data.num_classes={BATCH_CLASSES}")
     asked = {"train": d.train_size, "val": d.val_size}
-    out = {}
+    out = {"classes": np.array(CIFAR10_CLASSES)}
     if batches is not None:
         for split, n in sizes.items():
             out[f"{split}_images"], out[f"{split}_labels"] = from_batches(batches, split, n, asked[split], root)
         return out
-    listed = jpeg_splits(root, members, d, tuple(sizes))
+    listed, classes = jpeg_splits(root, members, d, tuple(sizes))
+    out["classes"] = np.array(classes)
     read = {split: read_jpegs(root, split, *listed[split], n, asked[split], members) for split, n in sizes.items()}
     # every damaged file of both splits in one message, as data=imagefolder names them
     check_bytes([name for names, _, _ in read.values() for name in names],
@@ -226,7 +230,7 @@ def sources(d: DataConfig, train: Shard, val: Shard, seed: int, device: torch.de
     cache = decoded_cache.entry(d.decode_cache, raw, sizes, d.num_classes) if raw and d.decode_cache else None
     shards = {"train": train, "val": val} if read_train else {"val": val}
     shapes = {f"{s}_{kind}": (shard.total, 32, 32, 3) if kind == "images" else (shard.total,)
-              for s, shard in shards.items() for kind in ("images", "labels")}
+              for s, shard in shards.items() for kind in ("images", "labels")} | {"classes": (d.num_classes,)}
     splits = decoded_cache.load(cache, shapes) if cache else None
     if splits is None:
         splits = decode(root, raw, d, {s: shard.total for s, shard in shards.items()})
@@ -236,4 +240,6 @@ def sources(d: DataConfig, train: Shard, val: Shard, seed: int, device: torch.de
                               torch.from_numpy(splits[f"{s}_labels"]).to(device), shard, d.num_classes,
                               CIFAR_MEAN, CIFAR_STD, d, seed, augment=s == "train", half=half)
             for s, shard in shards.items()}
+    for source in made.values():  # a JPEG tree's folders, which may be renamed between runs
+        source.classes = [str(name) for name in splits["classes"]]
     return made.get("train"), made["val"]

@@ -18,7 +18,7 @@ from trainer.errors import WriteError
 from trainer.run_dir import writing
 
 log = logging.getLogger("trainer")
-FORMAT = 2  # raised whenever what an entry holds, or how it was decoded, changes
+FORMAT = 3  # raised whenever what an entry holds, or how it was decoded, changes
 
 
 def entry(cache_dir: str, archive: bytes, *taken) -> Path:

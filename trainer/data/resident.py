@@ -21,7 +21,7 @@ class ResidentSource:
     one color. Each epoch's plan (example, crop corner, flip, real, cutout) is one small
     table copied to the device by the epoch's first fill, on the fill's stream.
     """
-    classes = None  # CIFAR-10's, fixed
+    classes: list[str] | None = None  # (Source) the data set's to set
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, shard: Shard, num_classes: int,
                  mean, std, d: DataConfig, seed: int, augment: bool, half: torch.dtype | None):

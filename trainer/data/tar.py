@@ -25,10 +25,13 @@ class Damaged(ValueError):
     first header does not check out."""
 
 
-def _refused(pos: int, why: str) -> ValueError:
-    """The error for a header cut short or that does not check out: past the first, the
-    archive's damage (`why`); at the first, a file that is no tar archive."""
-    return Damaged(why) if pos else ValueError("it is not a tar archive, gzip-compressed or not")
+def _refused(pos: int, why: str, header: bytes = b"") -> ValueError:
+    """The error for a header cut short or that does not check out: past the first, or at a
+    first that names itself a tar header (POSIX's "ustar" at byte 257), the archive's damage
+    (`why`); else a file that is no tar archive."""
+    if pos or header[257:262] == b"ustar":
+        return Damaged(why)
+    return ValueError("it is not a tar archive, gzip-compressed or not")
 
 
 def _checks_out(header: bytes) -> bool:
@@ -137,7 +140,7 @@ def tar_files(archive: bytes) -> dict[str, bytes]:
         if header[0] == 0 and not header.strip(b"\0"):
             break  # the end-of-archive blocks
         if not _checks_out(header):
-            raise _refused(pos, f"damaged tar header at byte {pos}")
+            raise _refused(pos, f"damaged tar header at byte {pos}", header)
         size, kind = _number(header[124:136]), header[156:157]
         body = data[pos + BLOCK:pos + BLOCK + size]
         if len(body) < size:
