@@ -217,6 +217,8 @@ def test_total_steps_rounds_a_fractional_epoch_up():
     assert total_steps(1.5, 7) == 11 and total_steps(1.5, 8) == 12
     assert total_steps(9.9, 48) == 476  # the recipe: 9.9 epochs of 48 steps (49,152 of 50,000 examples)
     assert total_steps(2.0, 7) == 14 and total_steps(0.01, 7) == 1
+    # 2.2 * 25 is 55.00000000000001 in floating point: one step more than asked, before the rounding
+    assert total_steps(2.2, 25) == 55 and total_steps(0.28, 25) == 7 and total_steps(4.4, 25) == 110
 
 
 def test_fractional_epochs_stop_the_last_epoch_part_way(tmp_path):

@@ -1,6 +1,7 @@
 """The trainer end to end on the CPU: the default run, resume, export, multirun, config
 groups and the non-finite-loss paths."""
 import contextlib
+import dataclasses
 import errno
 import json
 import logging
@@ -660,8 +661,9 @@ def test_an_interrupted_torchrun_job_is_told_to_continue_under_torchrun_with_its
     (["trainer.lowres_epochs=2", "trainer.lowres_resolution=12"],
      "trainer.lowres_epochs=2 is not fewer than trainer.epochs=2: the run never trains at data.resolution=16, which it "
      "is evaluated at"),
-    (["trainer.first_conv_freeze_epochs=5"], "trainer.first_conv_freeze_epochs=5 is not fewer than trainer.epochs=2: "
-                                             "the first conv never freezes"),
+    (["trainer.first_conv_freeze_epochs=5"], r"trainer.first_conv_freeze_epochs=5 is not fewer than the run's 32 steps "
+                                             r"\(trainer.epochs=2\): the first conv never freezes"),
+    (["trainer.first_conv_freeze_epochs=1.99"], "first_conv_freeze_epochs=1.99 is not fewer than the run's 32 steps"),
     (["schedule=cosine"], None),
     (["dist.shard_optimizer=true"], r"dist.shard_optimizer=True has no effect: it is read only with several ranks"),
     (["model.pack_relu_masks=false"], "model.pack_relu_masks=False has no effect: it is read only with a ResNet"),
@@ -1055,10 +1057,15 @@ def test_export_loads_into_torchvision(tmp_path):
 
 def test_export_of_an_epoch_that_was_not_evaluated_has_its_statistics(tmp_path):
     """Without EMA the exported BN statistics are the training's (B_NEXT), also where the
-    checkpoint's epoch was not evaluated: not older ones, nor the initial zeros and ones."""
-    trained = train(tmp_path / "run", "trainer.epochs=2", "trainer.eval_every=5", "trainer.stop_after_epoch=1")
+    checkpoint's epoch was not evaluated: not older ones, nor the initial zeros and ones.
+    Beside them, model.json keeps the checkpoint's model options, which no tensor holds (a
+    fast net's logit_scale): rebuilt from the group's defaults, its logits were 28 times off."""
+    trained = train(tmp_path / "run", "trainer.epochs=2", "trainer.eval_every=5", "trainer.stop_after_epoch=1",
+                    "model.logit_scale=0.25")
     out = run(tmp_path / "export", "mode=export", *TINY, f"checkpoint={tmp_path / 'run'}")
     assert out.returncode == 0, out.stdout + out.stderr
+    kept = json.loads((tmp_path / "export" / "model.json").read_text())
+    assert kept["model"] == dataclasses.asdict(trained.cfg.model) and kept["model"]["logit_scale"] == 0.25
     state = torch.load(tmp_path / "export" / "model_state_dict.pt", weights_only=True)
     tensors = trained.plans.tensors["train_base"]
     for name, s in tensors.bn.items():

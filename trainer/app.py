@@ -1,5 +1,6 @@
 """The Hydra application: validate the configuration, then run the requested mode."""
 import copy
+import dataclasses
 import errno
 import fcntl
 import functools
@@ -172,7 +173,12 @@ def run_export(cfg: TrainConfig, run_dir: Path):
         weights = state_dict(tensors, arena, cfg.ema)
         with writing(run_dir / "model_state_dict.pt") as f:
             torch.save(weights, f)
-        log.info("wrote %s (from %s)", run_dir / "model_state_dict.pt", path)
+        # what rebuilds the model the tensors fit, which .hydra/ (this command's) does not hold:
+        # the checkpoint's model options (a fast net's logit_scale is no tensor; a ResNet's stem)
+        with writing(run_dir / "model.json") as f:
+            f.write(json.dumps({"model": dataclasses.asdict(cfg.model), "checkpoint": str(path)}, indent=1).encode())
+        log.info("wrote %s and the model's options in %s (from %s)", run_dir / "model_state_dict.pt",
+                 run_dir / "model.json", path)
 
 
 def run_bench(cfg: TrainConfig, run_dir: Path):

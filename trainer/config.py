@@ -700,9 +700,9 @@ def unreached(cfg: TrainConfig, per_epoch: int, steps: int) -> list[str]:
         out.append(f"trainer.lowres_epochs={t.lowres_epochs} is not fewer than trainer.epochs={t.epochs:g}: the run never "
                    f"trains at data.resolution={cfg.data.resolution}, which it is evaluated at")
     for part, epochs in freeze_epochs(cfg).items():
-        if epochs >= t.epochs:
-            out.append(f"trainer.{part}_freeze_epochs={epochs:g} is not fewer than trainer.epochs={t.epochs:g}: the "
-                       f"{part.replace('_', ' ')} never freezes")
+        if round(epochs * per_epoch) >= steps:  # the step it freezes from, as setup.freeze_steps rounds it
+            out.append(f"trainer.{part}_freeze_epochs={epochs:g} is not fewer than the run's {steps} steps "
+                       f"(trainer.epochs={t.epochs:g}): the {part.replace('_', ' ')} never freezes")
     return out
 
 

@@ -16,7 +16,8 @@ def steps_per_epoch(examples_per_rank: int, batch: int, drop_last: bool) -> int:
 
 
 def total_steps(epochs: float, per_epoch: int) -> int:
-    return max(1, math.ceil(epochs * per_epoch))
+    # rounded first: 2.2 epochs of 25 steps are 55.00000000000001 in floating point, not 56 steps
+    return max(1, math.ceil(round(epochs * per_epoch, 9)))
 
 
 def lr_multipliers(s: ScheduleConfig, steps: int, per_epoch: int) -> torch.Tensor:
