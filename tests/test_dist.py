@@ -101,10 +101,11 @@ def test_torchrun_variables_outside_a_launched_job_leave_a_single_process(tmp_pa
         assert ranks(env) == (0, 1, 0)
     assert ranks({**TORCHRUN, "RANK": "1", "LOCAL_RANK": "1"}) == (1, 2, 1)
     for wrong, key in (({"RANK": "x"}, "RANK='x'"), ({}, "RANK=''"), ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE='0'"),
-                       ({"RANK": "0", "MASTER_PORT": ""}, "MASTER_PORT=''")):  # torch's rendezvous: a traceback
+                       ({"RANK": "0", "MASTER_PORT": ""}, "MASTER_PORT=''"),  # torch's rendezvous: a traceback
+                       ({"RANK": "0", "MASTER_PORT": None}, "MASTER_PORT is not set")):
         with pytest.raises(ConfigError, match=f"^{key} in the environment, with WORLD_SIZE and MASTER_ADDR there: "
                                               "torchrun sets them; start the job with torchrun, or unset them"):
-            ranks({**TORCHRUN, **wrong})
+            ranks({key: value for key, value in {**TORCHRUN, **wrong}.items() if value is not None})
     stray = {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_WORLD_SIZE": "0", "TORCHELASTIC_RESTART_COUNT": "x"}
     out = run_py([f"hydra.run.dir={tmp_path / 'run'}", "trainer.epochs=1", "data.train_size=256", "data.val_size=64",
                   "trainer.batch_size=32"], tmp_path, stray)

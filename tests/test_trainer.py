@@ -681,6 +681,15 @@ def test_what_is_set_for_a_longer_run_is_said_before_training(tmp_path, caplog, 
     assert re.search(said, caplog.text) if said else not caplog.records, caplog.text
 
 
+def test_the_dist_options_of_a_one_process_job_are_said_unread(monkeypatch):
+    """torchrun with one process plans no shards: dist.shard_optimizer=true there went unsaid."""
+    from trainer.config import ignored
+    as_torchrun(monkeypatch, world=1)
+    assert "dist.shard_optimizer=True has no effect" in " ".join(ignored(config("dist.shard_optimizer=true")))
+    as_torchrun(monkeypatch, world=2)
+    assert not ignored(config("dist.shard_optimizer=true"))
+
+
 def test_a_resume_on_another_schedule_length_says_where_the_learning_rate_moves(tmp_path, caplog):
     from trainer.loop import Trainer
     train(tmp_path / "a", "trainer.epochs=2", "trainer.stop_after_epoch=1")

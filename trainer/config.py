@@ -20,7 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from trainer.errors import ConfigError
 from trainer.plan import OPTIMIZERS, PlanConfig
-from trainer.run_dir import launched
+from trainer.run_dir import ranks
 
 
 @dataclass
@@ -731,7 +731,7 @@ _READ_ONLY_WITH = {
        for key in ("widths", "stem_norm", "logit_scale", "head_std")},
     "model.stem": (lambda c: c.model.name.startswith("resnet"), "a torchvision ResNet (model=resnet18 ... resnet101)"),
     "model.pack_relu_masks": (lambda c: c.model.name != "fastnet", "a ResNet"),
-    **{f"dist.{key}": (lambda c: launched() or c.dist.plan_ranks > 1,
+    **{f"dist.{key}": (lambda c: ranks()[1] > 1 or c.dist.plan_ranks > 1,
                        "several ranks (a torchrun job, or mode=plan with dist.plan_ranks=N)")
        for key in ("backend", "shard_optimizer", "deep_conv_buckets")},
     **{f"data.{key}": (lambda c: c.data.name == "imagefolder", "data=imagefolder")

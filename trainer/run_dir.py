@@ -141,10 +141,11 @@ def ranks(env=os.environ) -> tuple[int, int, int]:
             raise ConfigError(f"{key}={text!r} in the environment, with WORLD_SIZE and MASTER_ADDR there: torchrun "
                               f"sets them; start the job with torchrun, or unset them for a single process")
         values.append(int(text))
-    if not env.get("MASTER_PORT", "").isdigit():  # else torch's rendezvous ended in its traceback
-        raise ConfigError(f"MASTER_PORT={env.get('MASTER_PORT', '')!r} in the environment, with WORLD_SIZE and "
-                          "MASTER_ADDR there: torchrun sets them; start the job with torchrun, or unset them for a "
-                          "single process")
+    port = env.get("MASTER_PORT")
+    if not (port or "").isdigit():  # else torch's rendezvous ended in its traceback
+        shown = "MASTER_PORT is not set" if port is None else f"MASTER_PORT={port!r}"
+        raise ConfigError(f"{shown} in the environment, with WORLD_SIZE and MASTER_ADDR there: torchrun sets them; "
+                          "start the job with torchrun, or unset them for a single process")
     return tuple(values)
 
 
