@@ -30,7 +30,7 @@ from trainer.config import (CHECKPOINT_OPTIONS, GOING_ON, RUN_OPTIONS, TrainConf
                             validate)
 from trainer.errors import CheckpointError, ConfigError, DataError, PeerError, TrainerError, WriteError
 from trainer.run_dir import (PARTS, continue_with, find_checkpoint, given, other_run, override, ranks,
-                             restart_checkpoint, restarted, resumed_folder, saved, writing)
+                             restart_checkpoint, restarted, resumed_folder, saved, swept, writing)
 
 log = logging.getLogger("trainer")
 
@@ -688,7 +688,7 @@ def main(dict_cfg: DictConfig):
             why += f"; {'once that is mended' if isinstance(e, DataError) else 'to go on'}, " \
                    f"{_to_go_on(run_dir, HydraConfig.get())}"
         log.error("%s", why)
-        if HydraConfig.get().mode == RunMode.MULTIRUN and not isinstance(e, WriteError):
+        if swept() and not isinstance(e, WriteError):
             return JobFailed(why)  # the sweep goes on to its next job
         # a full disk stops a sweep too: the next job's folder would end in Hydra's traceback
         raise SystemExit(2)
@@ -698,6 +698,6 @@ def main(dict_cfg: DictConfig):
         if (signal_error := _raised_by_a_signal(e)) is not None:
             raise _stopped(signal_error, dict_cfg, run_dir) from None
         log.exception("the run failed")  # into this rank's log file too, not only onto stderr
-        if HydraConfig.get().mode == RunMode.MULTIRUN:
+        if swept():
             return JobFailed(f"{type(e).__name__}: {e}")  # the sweep goes on to its next job
         raise

@@ -40,7 +40,7 @@ def _with_the_others(collective):
         try:
             return collective(self, *args)
         except RuntimeError as e:
-            if self.native_mean:
+            if self.nccl:
                 raise
             why = re.sub(r"^\[[^\]]*\] ", "", (str(e).splitlines() or [type(e).__name__])[0]).split(". ")[0]
             raise PeerError(f"rank {self.rank} lost the job's other ranks ({why}): one ended, or did not answer "
@@ -55,7 +55,7 @@ class Comm:
 
     def __init__(self, rank: int, world: int, device: torch.device, backend: str):
         self.rank, self.world = rank, world
-        self.native_mean = backend == "nccl"  # gloo has no AVG: sum, then scale
+        self.nccl = backend == "nccl"  # else gloo, which has no AVG (sum, then scale) and raises what it meets
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     @contextmanager
@@ -113,10 +113,10 @@ class Comm:
 
     @property
     def _mean_op(self):
-        return td.ReduceOp.AVG if self.native_mean else td.ReduceOp.SUM
+        return td.ReduceOp.AVG if self.nccl else td.ReduceOp.SUM
 
     def _scale(self, x: torch.Tensor):
-        if not self.native_mean:
+        if not self.nccl:
             x.mul_(1.0 / self.world)
 
 

@@ -95,10 +95,10 @@ class Trainer:
         self.unevaluated = (self.finished and not self.stopped and self.start_epoch == math.ceil(t.epochs)
                             and bool(self.history) and "val_loss" not in self.history[-1])
         if self.stopped:
+            again, go_on = (("a sweep run again goes on with this job", "a later trainer.stop_after_epoch, or none")
+                            if swept() else ("torchrun restarted the job", continue_with(run_dir, dist.world)))
             log.info("%s after epoch %d's checkpoint, where trainer.stop_after_epoch=%d stops it: nothing left to train; "
-                     "continue with %s", "a sweep run again goes on with this job" if swept() else
-                     "torchrun restarted the job", self.start_epoch, t.stop_after_epoch,
-                     "a later trainer.stop_after_epoch, or none" if swept() else continue_with(run_dir, dist.world))
+                     "continue with %s", again, self.start_epoch, t.stop_after_epoch, go_on)
         elif self.unevaluated:
             log.info("%s has trained all %d epoch(s), the last without an evaluation (it failed, or was not due): "
                      "evaluating it now", t.resume, self.start_epoch)

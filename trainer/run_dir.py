@@ -134,18 +134,19 @@ def ranks(env=os.environ) -> tuple[int, int, int]:
     and RANK=1 on none."""
     if not launched(env):
         return 0, 1, 0
+
+    def wrong(shown: str) -> ConfigError:
+        return ConfigError(f"{shown} in the environment, with WORLD_SIZE and MASTER_ADDR there: torchrun sets them; "
+                           "start the job with torchrun, or unset them for a single process")
     values = []
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         text = env.get(key, "0" if key == "LOCAL_RANK" else "")
         if not text.isdigit() or (key == "WORLD_SIZE" and int(text) == 0):
-            raise ConfigError(f"{key}={text!r} in the environment, with WORLD_SIZE and MASTER_ADDR there: torchrun "
-                              f"sets them; start the job with torchrun, or unset them for a single process")
+            raise wrong(f"{key}={text!r}")
         values.append(int(text))
     port = env.get("MASTER_PORT")
     if not (port or "").isdigit():  # else torch's rendezvous ended in its traceback
-        shown = "MASTER_PORT is not set" if port is None else f"MASTER_PORT={port!r}"
-        raise ConfigError(f"{shown} in the environment, with WORLD_SIZE and MASTER_ADDR there: torchrun sets them; "
-                          "start the job with torchrun, or unset them for a single process")
+        raise wrong("MASTER_PORT is not set" if port is None else f"MASTER_PORT={port!r}")
     return tuple(values)
 
 
