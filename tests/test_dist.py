@@ -572,6 +572,31 @@ def test_a_rank_that_dies_part_way_is_one_line_on_the_others_with_where_to_go_on
                      rf"continue from epoch_0001.pt with trainer.resume={run_dir}, under torchrun with 2 processes", log), log
 
 
+def test_sigterm_to_torchrun_ends_the_ranks_at_once_and_rank_0_names_the_checkpoint(tmp_path):
+    """A preemption's SIGTERM to torchrun's agent, which sends it on to each rank: the ranks
+    died of it without a word, so nothing said where to continue from."""
+    import time
+    run_dir = tmp_path / "run"
+    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}",
+                            "--max-restarts=0", __file__, f"hydra.run.dir={run_dir}", "device=cpu",
+                            f"trainer.batch_size={BATCH}", "data.train_size=128", "data.val_size=32",
+                            "trainer.epochs=1000"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
+    first = run_dir / "checkpoints" / "epoch_0001.pt"
+    deadline = time.monotonic() + 240
+    while not first.exists() and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    job.send_signal(signal.SIGTERM)
+    out = job.communicate(timeout=120)[0]
+    assert first.exists() and job.returncode != 0, out[-3000:]
+    said = re.findall(r"ERROR\] - terminated; continue from (epoch_\d{4}.pt) with trainer.resume=(\S+), under "
+                      rf"torchrun with {WORLD} processes", out)
+    assert len(said) == 1 and said[0][1] == str(run_dir) and "Traceback" not in (run_dir / "run.log").read_text(), out
+    newest = sorted(p.name for p in (run_dir / "checkpoints").iterdir())[-1]
+    assert said[0][0] == newest and "terminated" in (run_dir / "run.log").read_text()
+    assert (run_dir / "run_rank1.log").read_text() == ""  # rank 1 ends without a word
+
+
 def test_every_gloo_collective_names_a_lost_rank_in_one_line(monkeypatch):
     """The checkpoint's gather and the set-up's broadcast called torch directly: a rank that
     hung there still ended the others in gloo's tracebacks."""

@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import traceback
 from pathlib import Path
 
@@ -650,9 +651,35 @@ def _stopped(e: BaseException, dict_cfg: DictConfig, run_dir: Path) -> SystemExi
     """Ctrl-C or SIGTERM: logs one line saying where to continue from, and gives the exit
     with the shell's status. A checkpoint is written whole or not at all: those there are
     intact."""
-    log.error("%s%s", "interrupted" if isinstance(e, KeyboardInterrupt) else "terminated", _where_to_continue(
-        dict_cfg, run_dir, HydraConfig.get()) if dict_cfg.mode == "train" else "")
+    _say_stopped("interrupted" if isinstance(e, KeyboardInterrupt) else "terminated", dict_cfg, run_dir,
+                 HydraConfig.get())
     return SystemExit(130 if isinstance(e, KeyboardInterrupt) else 143)  # as a shell reports SIGINT, SIGTERM
+
+
+def _say_stopped(what: str, dict_cfg: DictConfig, run_dir: Path, hydra: DictConfig):
+    log.error("%s%s", what, _where_to_continue(dict_cfg, run_dir, hydra) if dict_cfg.mode == "train" else "")
+
+
+def _terminate_at_once(dict_cfg: DictConfig, run_dir: Path, hydra: DictConfig):
+    """SIGTERM under torchrun (its agent stopping the job: a preemption, a peer's failure)
+    ends this rank at once, where rank 0 first says where to continue from: the rank cannot
+    unwind, as the others may be waiting for it in a collective, and the agent kills what is
+    left after 30 s. A thread takes the signal, as Python's handlers run in the main thread
+    alone, which may be waiting in a collective or on the device until it is killed."""
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write)  # each signal Python handles writes its number there as it arrives
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)  # the thread has ended the process by then
+
+    def watch():
+        while os.read(read, 1) != bytes([signal.SIGTERM]):  # Ctrl-C: raised in the main thread, as without torchrun
+            pass
+        for part in list(PARTS):  # a checkpoint half written
+            part.unlink(missing_ok=True)
+        if _is_main():
+            _say_stopped("terminated", dict_cfg, run_dir, hydra)  # its handlers flush each line
+        os._exit(143)
+    threading.Thread(target=watch, name="sigterm", daemon=True).start()
 
 
 def _interrupt(signum, frame):
@@ -676,7 +703,9 @@ def main(dict_cfg: DictConfig):
     try:
         from trainer.dist import launched
         signal.signal(signal.SIGINT, _interrupt)
-        if not launched():  # under torchrun its agent stops the ranks, which may be waiting in a collective
+        if launched():
+            _terminate_at_once(dict_cfg, run_dir, HydraConfig.get())
+        else:
             signal.signal(signal.SIGTERM, _interrupt)
         cfg = _configured(dict_cfg, run_dir, HydraConfig.get(), HydraConfig.get().overrides.task)
         MODES[cfg.mode](cfg, run_dir)
