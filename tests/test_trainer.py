@@ -1103,6 +1103,17 @@ def test_a_sweep_job_that_fails_is_named_at_the_end_and_the_jobs_after_it_run(tm
                      r"diverged and stopped", out.stderr), out.stderr
     assert not (tmp_path / "0" / "summary.json").exists()
     assert json.loads((tmp_path / "1" / "summary.json").read_text())["steps"] == 16
+    # Run again in its folder, the failed job, with nothing to go on from, stands failed and the
+    # others go on (here: the finished one trains nothing), where its records refused the sweep.
+    finished, records = (tmp_path / "1" / "summary.json").read_bytes(), (tmp_path / "0" / "metrics.jsonl").read_bytes()
+    again = run(tmp_path, "optimizer.lr=1e9,0.1", "trainer.epochs=1", "trainer.seed=${data.num_classes}", *TINY,
+                multirun=True)
+    assert again.returncode == 2 and again.stderr.startswith("1 of the sweep's 2 jobs failed"), again.stderr
+    assert re.search(r"\njob 0 \(.*\): the epoch's training loss, .* diverged and stopped.* \(in the sweep's earlier "
+                     rf"attempt; to start this job anew, remove {re.escape(str(tmp_path / '0'))} and run the sweep "
+                     r"again\)\n$", again.stderr), again.stderr
+    assert (tmp_path / "1" / "summary.json").read_bytes() == finished
+    assert (tmp_path / "0" / "metrics.jsonl").read_bytes() == records
 
 
 def test_a_sweep_whose_record_of_its_jobs_cannot_be_written_still_names_the_one_that_failed(tmp_path, monkeypatch):
@@ -1200,6 +1211,7 @@ def test_a_sweep_counts_a_job_that_crashed_and_goes_on(tmp_path, capsys):
     crashed.return_value = JobFailed("OutOfMemoryError: CUDA out of memory")
     RunDirectory().on_job_end(config, crashed)  # in the first job's process
     failed = JobReturn(overrides=["x=1"], status=JobStatus.FAILED, _return_value=RuntimeError("raised again if read"))
+    config.hydra.job.num = 1
     RunDirectory().on_job_end(config, failed)  # in the second's
     with pytest.raises(SystemExit) as ended:
         RunDirectory().on_multirun_end(config)  # in the sweep's

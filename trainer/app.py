@@ -267,14 +267,17 @@ class RunDirectory(Callback):
             _new_folder(config, "sweep")
         else:
             sweep = Path(config.hydra.sweep.dir)
-            jobs = _validate_jobs(config, named=True)  # their folders; None for a sweeper that chooses them as it goes
+            earlier = _failed_before(sweep)
+            # their folders; None for a sweeper that chooses them as it goes
+            jobs = _validate_jobs(config, named=True, earlier=earlier)
             for job in sorted(sweep.iterdir()) if sweep.is_dir() else ():
                 if job.is_dir() and (jobs is None or job not in jobs) and other_run(job, ""):
                     raise _another_sweeps(sweep, job)
             _make(config.hydra.sweep.dir, "hydra.sweep.dir")
         _hold(config.hydra.sweep.dir)
-        if named:
-            (Path(config.hydra.sweep.dir) / JOBS).unlink(missing_ok=True)  # an earlier attempt's
+        if named:  # an earlier attempt's lines, but for the failures its jobs stand by (_refuse_another_jobs)
+            failed = [earlier[number] for number in sorted(set(jobs.values()) & set(earlier))] if jobs else []
+            _write_jobs(Path(config.hydra.sweep.dir) / JOBS, failed)
         # the launcher composes each job's configuration again from these: the folder made (or with ~ expanded),
         # absolute, as a job under hydra.job.chdir=true reads it from its own folder
         with open_dict(config):
@@ -302,7 +305,8 @@ class RunDirectory(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs):
         path = Path(config.hydra.sweep.dir) / JOBS
         jobs = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-        jobs = sorted([*jobs, *self.unwritten], key=lambda job: job["job"])
+        # a job's latest line: one that failed in an earlier attempt has that line and its own
+        jobs = sorted({job["job"]: job for job in [*jobs, *self.unwritten]}.values(), key=lambda job: job["job"])
         failed = [f"job {job['job']} ({job['overrides']}): {job['failed']}" for job in jobs if job["failed"]]
         if failed:
             print(f"{len(failed)} of the sweep's {len(jobs)} jobs failed (each job's run.log in "
@@ -310,11 +314,12 @@ class RunDirectory(Callback):
             raise SystemExit(2)
 
 
-def _validate_jobs(config: DictConfig, named: bool = False):
+def _validate_jobs(config: DictConfig, named: bool = False, earlier: dict | None = None):
     """Every job of a sweep validated before the first one runs: Hydra composes them all
     first, which catches a misspelled key or a wrong type, but a value validate() refuses
     in a job listed late would stop the sweep only after the jobs before it had trained.
-    In a sweep folder the command line `named`, each job's folder is checked as a run's is."""
+    In a sweep folder the command line `named`, each job's folder is checked as a run's is
+    (`earlier`: the jobs that failed in an earlier attempt, _failed_before)."""
     if config.hydra.sweeper._target_ != f"{BasicSweeper.__module__}.{BasicSweeper.__name__}":
         return None  # other sweepers choose their jobs as they go
     loader = GlobalHydra.instance().config_loader()
@@ -347,7 +352,7 @@ def _validate_jobs(config: DictConfig, named: bool = False):
                               "job has run")
         folders[folder] = number
         if named:  # a folder the sweep is given, not a new one: before Hydra writes the job's .hydra/ over a run's
-            _refuse_another_jobs(folder, job_config, config, number, list(job))
+            _refuse_another_jobs(folder, job_config, config, number, list(job), earlier or {})
         try:  # with the options a job that reads a checkpoint takes from it, as it will as it starts
             _configured(job_config, folder, config.hydra, list(job), say=False)
         except TrainerError as e:
@@ -355,13 +360,16 @@ def _validate_jobs(config: DictConfig, named: bool = False):
     return folders
 
 
-def _refuse_another_jobs(folder: Path, job_config: DictConfig, config: DictConfig, number: int, job: list[str]):
+def _refuse_another_jobs(folder: Path, job_config: DictConfig, config: DictConfig, number: int, job: list[str],
+                         earlier: dict):
     """A sweep's job continues in its folder only its own earlier attempt: the same sweep
     run again in its folder (hydra.sweep.dir) after it was stopped goes on with each job
     from its newest checkpoint (_configured), starts the jobs that had not run, and runs
     those of another mode (plan, eval, export) again, which write the same results. A folder
-    with another run's records, or with this job's records and no checkpoint (it ended
-    before its first), is refused, and so is a file where the job's folder would be."""
+    with another run's records, or with this job's records and no checkpoint (it was
+    stopped before its first), is refused, and so is a file where the job's folder would
+    be. A job that failed before its first checkpoint (diverged, on a missing file: `earlier`
+    says why) stands failed, and the sweep goes on with the others (main)."""
     shown = f"sweep job {number} ({_shown(job)})"
     if folder.exists() and not folder.is_dir():  # Hydra's launcher failed on it after the jobs before it had run
         raise ConfigError(f"{shown} runs in {folder}, which is a file: move it, or give the sweep a folder of its own "
@@ -378,10 +386,26 @@ def _refuse_another_jobs(folder: Path, job_config: DictConfig, config: DictConfi
     started = _started_as(folder, config)
     if started is None or _the_job(started) != _the_job(job):
         raise _another_sweeps(sweep, folder)
-    if job_config.mode == "train" and not saved(folder / "checkpoints"):
+    if job_config.mode == "train" and not saved(folder / "checkpoints") and number not in earlier:
         raise ConfigError(f"{shown} ended before its first checkpoint (stopped, or failed: {folder / 'run.log'} says "
                           f"why), and {folder} holds its records: remove {folder}, then run the sweep again to start "
                           "that job anew")
+
+
+def _failed_before(sweep: Path) -> dict[int, dict]:
+    """The JOBS lines of the jobs that failed in the sweep's earlier attempt in its folder, by number."""
+    try:
+        jobs = [json.loads(line) for line in (sweep / JOBS).read_text().splitlines()]
+        return {job["job"]: job for job in jobs if job["failed"]}
+    except (OSError, ValueError, KeyError, TypeError):  # none, or not the sweep's record: no job stands failed
+        return {}
+
+
+def _write_jobs(path: Path, jobs: list[dict]):
+    if jobs:
+        path.write_text("".join(json.dumps(job) + "\n" for job in jobs))
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _the_job(overrides: list[str]) -> list[str]:
@@ -707,6 +731,13 @@ def main(dict_cfg: DictConfig):
             _terminate_at_once(dict_cfg, run_dir, HydraConfig.get())
         else:
             signal.signal(signal.SIGTERM, _interrupt)
+        if swept() and dict_cfg.mode == "train" and not saved(run_dir / "checkpoints"):
+            before = _failed_before(Path(HydraConfig.get().sweep.dir)).get(HydraConfig.get().job.num)
+            if before:  # its sweep's earlier attempt ended it; run again, it would end so again
+                again = f" (in the sweep's earlier attempt; to start this job anew, remove {run_dir} and run the sweep again)"
+                why = before["failed"] if before["failed"].endswith(again) else before["failed"] + again
+                log.error("%s", why)
+                return JobFailed(why)
         cfg = _configured(dict_cfg, run_dir, HydraConfig.get(), HydraConfig.get().overrides.task)
         MODES[cfg.mode](cfg, run_dir)
     except TrainerError as e:
