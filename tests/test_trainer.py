@@ -165,6 +165,19 @@ def test_resume_equals_uninterrupted_bit_for_bit(tmp_path):
     assert resumed.history == straight.history
 
 
+def test_a_resumed_runs_summary_counts_the_training_of_every_epoch(tmp_path):
+    """train_s and images_per_s were the last part's alone: a run stopped after epoch 1 of 3
+    and resumed gave epochs 2 and 3's seconds beside "epochs": 3, and the first part's time
+    was lost with its summary."""
+    train(tmp_path / "first", "trainer.epochs=3", "trainer.stop_after_epoch=1")
+    part = json.loads((tmp_path / "first" / "summary.json").read_text())
+    resumed = train(tmp_path / "first", "trainer.epochs=3", f"trainer.resume={tmp_path / 'first'}")
+    summary = json.loads((tmp_path / "first" / "summary.json").read_text())
+    assert (part["epochs"], summary["epochs"], resumed.images) == (1, 3, 2 * 512)
+    assert summary["train_s"] == pytest.approx(part["train_s"] + resumed.train_seconds, abs=2e-3)
+    assert summary["images_per_s"] == pytest.approx(3 * 512 / summary["train_s"], rel=1e-3)
+
+
 def test_resuming_a_finished_run_says_so_and_reports_its_results(tmp_path, caplog):
     """Resumed with no epoch left (by hand, or by torchrun restarting a job after its last
     checkpoint), a run trains nothing, says why, and its summary is the checkpoint's."""
@@ -2049,8 +2062,12 @@ def test_a_failed_last_evaluation_is_done_by_the_resume_once_the_data_is_mended(
     resume = f"trainer.resume={tmp_path / 'a'}"
     resumed = Trainer(config(*TINY, *common, resume), tmp_path / "a", Dist())
     assert resumed.unevaluated
+    trained = json.loads((tmp_path / "a" / "summary.json").read_text())
     summary = resumed.fit()
     assert summary["val_loss"] == straight.history[-1]["val_loss"] and summary["val_epoch"] == 2
+    # the training's figures are the run's, not those of the evaluation alone (0 s, none a second)
+    assert trained["train_s"] > 0 and (summary["train_s"], summary["images_per_s"]) == (
+        trained["train_s"], trained["images_per_s"])
     assert json.loads((tmp_path / "a" / "summary.json").read_text())["val_loss"] == summary["val_loss"]
     assert checkpoint.read(tmp_path / "a")["meta"]["history"][-1]["val_loss"] == summary["val_loss"]
     assert not Trainer(config(*TINY, *common, resume), tmp_path / "a", Dist()).unevaluated

@@ -71,9 +71,11 @@ class Trainer:
         self.start_epoch, self.history = 0, []
         self.stopped = False  # a torchrun restart or a sweep's job after the checkpoint trainer.stop_after_epoch asked for
         self.images, self.train_seconds, self.first_step_s = 0, 0.0, None  # of this run, as train_epoch adds them
+        self.trained_before = {"images": 0, "train_s": 0.0}  # by the runs this one resumes, to its checkpoint
         if t.resume:
             done = checkpoint.load(Path(t.resume), self.arena, self.meta, dist.rank, model_only=evaluate_only)
             self.start_epoch, self.history = done["epoch"], done.get("history", [])
+            self.trained_before = done.get("trained", self.trained_before)  # not in checkpoints before 2026-12-02
             self._check_classes(t.resume, done.get("classes"))
             if not evaluate_only:
                 self._check_epoch_length(t.resume, done.get("steps_per_epoch"), done.get("train_examples"),
@@ -386,7 +388,7 @@ class Trainer:
         meta = {**self.meta, "config": options(self.cfg), "epoch": epochs_done, "history": self.history,
                 "steps_per_epoch": self.per_epoch, "steps": min(epochs_done * self.per_epoch, self.total_steps),
                 "schedule_steps": self.total_steps, "train_examples": self.train_source.shard.total,
-                "classes": self.val_source.classes}
+                "classes": self.val_source.classes, "trained": self._trained()}
         checkpoint.save(folder / f"epoch_{epochs_done:04d}.pt", self.arena, meta, per_rank)
         checkpoint.prune(folder, self.cfg.trainer.keep_checkpoints)
 
@@ -395,11 +397,13 @@ class Trainer:
         newest epoch's training loss."""
         steps = int(self.arena.to_host_async(self.plans.main[B.STEP]).get()[0])
         evaluated = next((row for row in reversed(self.history) if "val_top1" in row), {})
+        trained = self._trained()
         return {**{k: evaluated.get(k) for k in ("val_top1", "val_top5", "val_loss")}, "val_epoch": evaluated.get("epoch"),
                 "train_loss": self.history[-1].get("train_loss") if self.history else None,
                 "steps": steps, "epochs": round(steps / self.per_epoch, 3),  # 1.5 of trainer.epochs=1.5
-                "images_per_s": round(self.images / self.train_seconds, 1) if self.train_seconds else None,
-                "train_s": round(self.train_seconds, 3), "setup_s": round(self.setup_s, 3),
+                # the training of every epoch to the newest, through resumes
+                "images_per_s": round(trained["images"] / trained["train_s"], 1) if trained["train_s"] else None,
+                "train_s": round(trained["train_s"], 3), "setup_s": round(self.setup_s, 3),
                 "setup_parts_s": self.setup_parts,
                 # this process's first training step to its last evaluation result: the time to accuracy
                 "train_and_eval_s": None if result_seconds is None else round(result_seconds, 3),
@@ -410,6 +414,12 @@ class Trainer:
                 # and its peak of torch's allocations on the device (arena, activations, workspaces)
                 "arena_bytes": self.arena.plan.total_bytes,
                 "peak_memory_bytes": torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None}
+
+    def _trained(self) -> dict:
+        """The images and seconds of training of the epochs done, with those of the runs this
+        one resumes: the summary's throughput is the run's, not the last part's."""
+        return {"images": self.trained_before["images"] + self.images,
+                "train_s": self.trained_before["train_s"] + self.train_seconds}
 
     # -- helpers ----------------------------------------------------------------------------
     def _check_epoch_length(self, path, saved: int | None, examples: int | None, written: dict):
