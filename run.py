@@ -1,5 +1,8 @@
 """Train an image classifier: python run.py [group=option ...] [key=value ...]"""
+import signal
 import sys
+
+from trainer.signals import held
 
 
 def interrupted(what: str = "interrupted", status: int = 130) -> SystemExit:
@@ -7,12 +10,18 @@ def interrupted(what: str = "interrupted", status: int = 130) -> SystemExit:
     return SystemExit(status)  # as a shell reports SIGINT (SIGTERM: 143)
 
 
-try:  # Ctrl-C while the imports load (a second or more) ends as it does once the run has started
-    import hydra
+def terminated(signum, frame):
+    raise interrupted("terminated", 143)
 
-    from trainer import app, dist
-    from trainer.config import refused_override, register
-    from trainer.errors import ConfigError
+
+signal.signal(signal.SIGTERM, terminated)  # until app.main takes it: said, where it ended the process without a word
+try:  # Ctrl-C while the imports load (a second or more) ends as it does once the run has started
+    with held():  # taken once torch, numpy and Hydra have loaded whole
+        import hydra
+
+        from trainer import app, dist
+        from trainer.config import refused_override, register
+        from trainer.errors import ConfigError
 except KeyboardInterrupt:
     raise interrupted() from None
 

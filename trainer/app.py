@@ -659,8 +659,8 @@ class Terminated(BaseException):
 
 def _raised_by_a_signal(e: BaseException) -> BaseException | None:
     """The KeyboardInterrupt or Terminated that caused an error, if any: a signal that
-    arrives while a C extension loads (matplotlib's, imported as the summary is plotted)
-    becomes its ImportError, caused by the interruption. An error raised while handling one
+    arrives while a C extension loads (one imported where trainer.signals.held does not hold
+    it off) becomes its ImportError, caused by the interruption. An error raised while handling one
     (its context, not its cause) is an error of its own."""
     seen = set()
     while e is not None and id(e) not in seen:  # a chain of causes may loop

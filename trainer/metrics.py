@@ -13,6 +13,7 @@ from pathlib import Path
 from trainer.future import TensorFuture
 from trainer.errors import WriteError
 from trainer.run_dir import RECORDS, writing
+from trainer.signals import held
 
 
 class MetricsLog:
@@ -117,9 +118,10 @@ def write_summary(run_dir: Path, summary: dict):
 
 def plot_curves(run_dir: Path, epochs: list[dict]):
     """Loss and top-1 per epoch, training and evaluation."""
-    import matplotlib
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
+    with held():  # its first import initializes native modules
+        import matplotlib
+        matplotlib.use("Agg")
+        from matplotlib import pyplot as plt
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
     x = [e["epoch"] for e in epochs]
     for ax, key in ((ax_loss, "loss"), (ax_acc, "top1")):
