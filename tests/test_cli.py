@@ -355,6 +355,23 @@ def test_a_relative_path_is_read_from_the_folder_the_command_started_in_by_a_swe
         assert summary["checkpoint"] == str(tmp_path / "run" / "checkpoints" / "epoch_0001.pt")
 
 
+def test_a_run_in_a_folder_it_was_given_interrupted_before_its_first_checkpoint_is_told_to_remove_it(tmp_path):
+    """It was told there was nothing to continue from, and the same command was then refused
+    for the records it had left in its folder."""
+    with started(command(tmp_path / "run", "trainer.log_every=1"), cwd=tmp_path, stdout=subprocess.PIPE,
+                 stderr=subprocess.STDOUT) as proc:
+        printed = ""
+        while "epoch 1 step" not in printed:
+            line = proc.stdout.readline()
+            assert line, printed
+            printed += line
+        proc.send_signal(signal.SIGINT)
+        printed += proc.communicate(timeout=60)[0]
+    assert proc.returncode == 130 and printed.rstrip().endswith(
+        f"interrupted before its first checkpoint: {tmp_path / 'run'} holds nothing to continue from; remove it and "
+        "run the same command again"), printed
+
+
 def test_an_interrupted_branch_is_told_how_to_start_it_again(tmp_path):
     """A branch (a resume from an older checkpoint into a folder of its own) stopped before its
     first checkpoint was told to resume the checkpoint again, which is refused in its run's

@@ -201,6 +201,22 @@ def test_a_resume_that_trains_nothing_leaves_the_runs_records_as_they_were(tmp_p
     assert {p: p.read_bytes() for p in records} == records
 
 
+def test_a_resume_that_trains_nothing_writes_the_summary_a_kill_left_behind_its_newest_checkpoint(tmp_path):
+    """Killed after its last checkpoint was in place and before its summary was, a run kept
+    the epoch before's summary.json and curves, and its resume, with nothing left to train,
+    left them so."""
+    train(tmp_path, "trainer.epochs=2", "trainer.stop_after_epoch=1")
+    behind = (tmp_path / "summary.json").read_bytes()
+    train(tmp_path, "trainer.epochs=2", f"trainer.resume={tmp_path}")
+    final = json.loads((tmp_path / "summary.json").read_text())
+    (tmp_path / "summary.json").write_bytes(behind)  # as the kill left it
+    train(tmp_path, "trainer.epochs=2", f"trainer.resume={tmp_path}")
+    mended = json.loads((tmp_path / "summary.json").read_text())
+    assert (json.loads(behind)["steps"], mended["steps"], mended["val_epoch"]) == (16, 32, 2)
+    for key in ("val_top1", "val_loss", "train_loss", "epochs", "train_s", "images_per_s"):
+        assert mended[key] == final[key], key
+
+
 @pytest.mark.parametrize("sent, status, said", [(signal.SIGINT, 130, "interrupted"),
                                                 (signal.SIGTERM, 143, "terminated")], ids=["ctrl_c", "sigterm"])
 def test_ctrl_c_names_the_checkpoint_to_continue_from_which_resumes(tmp_path, sent, status, said):

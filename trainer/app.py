@@ -569,7 +569,7 @@ def _where_to_continue(cfg: DictConfig, run_dir: Path, hydra: DictConfig) -> str
     newest = _continue_from_newest(run_dir)
     if newest:
         return f"; {newest}"
-    if cfg.trainer.resume and "hydra.run.dir" in given(hydra.overrides.hydra):  # a branch's folder
+    if "hydra.run.dir" in given(hydra.overrides.hydra):  # a folder of its own: its records refuse the same command
         return (f" before its first checkpoint: {run_dir} holds nothing to continue from; remove it and run the same "
                 "command again")
     if cfg.trainer.resume:  # a checkpoint outside a run's folder: a new folder each time

@@ -7,6 +7,7 @@ it reads device values through TensorFutures at log steps and at the end of an e
 """
 import importlib
 import itertools
+import json
 import logging
 import math
 import time
@@ -363,14 +364,22 @@ class Trainer:
         """The run's summary as of its newest epoch, written with its curves at each checkpoint,
         so that an interrupted run's records are those of the checkpoint it resumes from; not
         over a finished run's own by a resume that trains nothing (its timings would be of
-        nothing), unless it `evaluated` the last epoch. run_start to result_at: this process's time to
-        its last evaluation result."""
+        nothing), unless it `evaluated` the last epoch or that summary is not of the newest
+        checkpoint (the run was killed between the two). run_start to result_at: this
+        process's time to its last evaluation result."""
         summary = self.summary(None if result_at is None else self._elapsed(run_start, result_at))
-        if self.dist.is_main and (self.images or evaluated or not (self.run_dir / "summary.json").exists()):
+        if self.dist.is_main and (self.images or evaluated or self._summary_steps() != summary["steps"]):
             write_summary(self.run_dir, summary)
             if self.history:
                 plot_curves(self.run_dir, self.history)
         return summary
+
+    def _summary_steps(self) -> int | None:
+        """The steps of the run's summary.json; None where there is none to read."""
+        try:
+            return json.loads((self.run_dir / "summary.json").read_text())["steps"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
 
     def _record(self, row: dict):
         self.history.append(row)
