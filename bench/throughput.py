@@ -14,8 +14,11 @@ from pathlib import Path
 def steady(run_dir: Path) -> tuple[float, int, dict]:
     """(median images/s, steps it is taken over, summary) of one run."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "step" in r]
+    # a resumed run repeats the steps after its checkpoint: a step's later row is the one that counts
+    steps = list({r["step"]: r for r in rows if "step" in r}.values())
+    # the last epoch's rows but its first, and a resumed attempt's first, which have no rate
     last = [r["images_per_s"] for r in steps if r["epoch"] == steps[-1]["epoch"]][1:]
+    last = [rate for rate in last if rate is not None]
     return statistics.median(last), len(last), json.loads((run_dir / "summary.json").read_text())
 
 

@@ -726,7 +726,7 @@ def test_a_resume_on_another_schedule_length_says_where_the_learning_rate_moves(
         Trainer(config(*TINY, "trainer.epochs=4", f"trainer.resume={tmp_path / 'a'}"), tmp_path / "a", Dist())
     # the cosine over 32 steps is at half its peak after 16; over 64, at 0.854
     assert re.search(r"trained on a schedule of 32 steps and this run's has 64 \(another trainer.epochs\): the "
-                     r"learning rate at step 16 is 0.854 of its peak, where it was 0.5", caplog.text), caplog.text
+                     r"learning rate at step 17 is 0.854 of its peak, where it was 0.5", caplog.text), caplog.text
 
 
 def test_a_resume_goes_on_in_its_runs_folder_with_its_options_and_keeps_its_first_command_line(tmp_path):
@@ -2133,14 +2133,20 @@ def test_a_resume_on_other_schedule_options_says_where_the_learning_rate_moves_f
         with caplog.at_level("WARNING", logger="trainer"):
             Trainer(config(*TINY, *overrides, f"trainer.resume={tmp_path / 'a'}"), tmp_path / "a", Dist())
         return caplog.text
-    # the cosine over 64 steps is at 0.854 of its peak after 16; two epochs of warm-up reach 0.5 of it
+    # the cosine over 64 steps is at 0.854 of its peak after 16; two epochs of warm-up reach 0.5 of it;
+    # the step is numbered as its metrics row is, from 1 (it said 16)
     assert re.search(r"trained on a schedule of 64 steps and this run's has 128 \(another trainer.epochs\) and "
-                     r"schedule.warmup_epochs=2.0 \(was 0.0\): the learning rate at step 16 is 0.5 of its peak, "
+                     r"schedule.warmup_epochs=2.0 \(was 0.0\): the learning rate at step 17 is 0.5 of its peak, "
                      r"where it was 0.854", warned("trainer.epochs=8", "schedule.warmup_epochs=2"))
     assert re.search(r"trained on another schedule: this run's schedule.name=constant \(was cosine\): the learning "
-                     r"rate at step 16 is 1 of its peak, where it was 0.854",
+                     r"rate at step 17 is 1 of its peak, where it was 0.854",
                      warned("trainer.epochs=4", "schedule=constant"))
     assert "learning rate" not in warned("trainer.epochs=4")
+    train(tmp_path / "a", "trainer.epochs=4", "schedule=constant", "trainer.stop_after_epoch=2", "trainer.log_every=1",
+          f"trainer.resume={tmp_path / 'a'}")
+    rows = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    lr = {row["step"]: row["lr"] for row in rows if "step" in row}
+    assert lr[17] == lr[18] == pytest.approx(config(*TINY).optimizer.lr) and lr[16] < lr[17]  # the cosine, then constant
 
 
 def test_a_validation_loss_warning_does_not_contradict_the_divergence_stopping_the_run(tmp_path, caplog, monkeypatch):
@@ -2161,3 +2167,22 @@ def test_a_validation_loss_warning_does_not_contradict_the_divergence_stopping_t
     with caplog.at_level("WARNING", logger="trainer"), pytest.raises(DivergedError, match="training diverged"):
         train(tmp_path / "b", "optimizer.lr=1e9", "trainer.epochs=2")
     assert "validation loss" not in caplog.text
+
+
+def test_the_throughput_script_counts_a_resumed_steps_later_row(tmp_path):
+    """bench/throughput.py took every row of the last epoch: a run resumed inside it had the
+    interrupted attempt's rows and the resumed attempt's first, which has no rate (a
+    traceback comparing None)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("throughput", ROOT / "bench" / "throughput.py")
+    throughput = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(throughput)
+    rows = [{"step": 1, "epoch": 1, "images_per_s": None}, {"step": 2, "epoch": 2, "images_per_s": 50.0},
+            {"step": 3, "epoch": 2, "images_per_s": 100.0}, {"step": 4, "epoch": 2, "images_per_s": 1.0},
+            # the run, interrupted after step 4, resumed after step 2: step 3 again, then 4 and 5
+            {"step": 3, "epoch": 2, "images_per_s": None}, {"step": 4, "epoch": 2, "images_per_s": 200.0},
+            {"step": 5, "epoch": 2, "images_per_s": 300.0}, {"epoch": 2, "train_loss": 1.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "summary.json").write_text("{}")
+    rate, count, _ = throughput.steady(tmp_path)
+    assert (rate, count) == (250.0, 2)  # steps 4 and 5 as resumed; step 2, the epoch's first, left out

@@ -515,8 +515,9 @@ class Trainer:
         else:
             why = f"on a schedule of {then} steps and this run's has {self.total_steps} (another trainer.epochs)" + (
                 f" and {changed}" if changed else "")
+        # the next step's number as its metrics row gives it, counted from 1
         log.warning("%s was trained %s: the learning rate at step %d is %.3g of its peak, where it was %.3g", path,
-                    why, step, now, before)
+                    why, step + 1, now, before)
 
     def _records(self, run_dir: Path, claim: bool, enabled: bool) -> MetricsLog:
         """The run's metrics file. A training run may not write into another run's folder
