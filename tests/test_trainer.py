@@ -1171,6 +1171,23 @@ def test_a_sweep_with_a_bad_value_in_a_late_job_runs_no_job(tmp_path):
     assert not sweep.exists()
 
 
+@pytest.mark.parametrize("late, said", [
+    (["trainer.batch_size=32,1024"], "trainer.batch_size=1024 is larger than the 512 training examples per rank"),
+    (["trainer.lowres_epochs=1", "trainer.lowres_resolution=16,8"], "8x8 images are too small for model=fastnet"),
+    (["trainer.first_conv_freeze_epochs=0.5", "trainer.stem_norm_freeze_epochs=0.5", "model.stem_norm=bias,none"],
+     "cannot freeze the stem's norm: the model has no BatchNorm right after its first conv"),
+    (["kernels=torch,triton"], "kernels=triton: Triton kernels need a CUDA device (this run uses cpu)")],
+    ids=["batch", "resolution", "freeze", "kernels"])
+def test_a_sweep_whose_late_job_its_set_up_would_refuse_runs_no_job(tmp_path, late, said):
+    """What the set-up refuses beyond the values' own checks (the data's size, the model's,
+    a freeze, the kernels) stopped a sweep only once the jobs before had trained."""
+    sweep = tmp_path / "sweep"
+    out = run(sweep, "trainer.epochs=2", "device=cpu", *late, *TINY[:2], multirun=True)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.startswith("sweep job 1 (") and said in out.stderr and out.stderr.endswith("; no job has run\n")
+    assert not sweep.exists()
+
+
 @pytest.mark.parametrize("args, said", [
     (["-m", "hydra.sweep.dir=sweep", "optimizer=sgd,adamm"],
      "optimizer=sgd,adamm: conf/optimizer/ has no adamm.yaml; choose one of adam, adamw, lars, momentum, muon, nesterov, "

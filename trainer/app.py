@@ -335,7 +335,7 @@ def _validate_jobs(config: DictConfig, named: bool = False, earlier: dict | None
                               "interval() is for a sweeper that samples (a hydra/sweeper plugin such as optuna)")
         if o.is_sweep_override() and not list(o.sweep_string_iterator()):  # the sweep would launch 0 jobs, and end 0
             raise ConfigError(f"{o.input_line} sweeps over no value: the sweep would have no jobs; give it one or more")
-    folders = {}
+    folders, sizes = {}, {}
     for number, job in enumerate(BasicSweeper.split_arguments(overrides, None)[0]):
         try:
             job_config = loader.load_sweep_config(config, list(job))
@@ -354,10 +354,29 @@ def _validate_jobs(config: DictConfig, named: bool = False, earlier: dict | None
         if named:  # a folder the sweep is given, not a new one: before Hydra writes the job's .hydra/ over a run's
             _refuse_another_jobs(folder, job_config, config, number, list(job), earlier or {})
         try:  # with the options a job that reads a checkpoint takes from it, as it will as it starts
-            _configured(job_config, folder, config.hydra, list(job), say=False)
+            cfg = _configured(job_config, folder, config.hydra, list(job), say=False)
+            if cfg.mode in ("train", "plan"):
+                _check_set_up(cfg, sizes)
         except TrainerError as e:
             raise ConfigError(f"sweep job {number} ({_shown(job)}): {e}; no job has run") from None
     return folders
+
+
+def _check_set_up(cfg: TrainConfig, sizes: dict):
+    """What a job's set-up refuses beyond validate(), for a sweep's jobs before the first:
+    a batch larger than the data set, images the model shrinks to nothing, a freeze of a
+    part the model lacks, Triton kernels without a GPU. The plan is built (a fraction of a
+    second); the data set's size is read once for the jobs that share its options (`sizes`)."""
+    import kernels
+    from trainer.data import dataset_sizes
+    from trainer.dist import Dist, device_for
+    from trainer.setup import make_plans
+    if cfg.mode == "train":
+        kernels.load(cfg.kernels, device_for(cfg.device, Dist()))
+    data = repr(cfg.data)
+    if data not in sizes:
+        sizes[data] = dataset_sizes(cfg.data)
+    make_plans(cfg, cfg.dist.plan_ranks or 1, sizes[data])
 
 
 def _refuse_another_jobs(folder: Path, job_config: DictConfig, config: DictConfig, number: int, job: list[str],
