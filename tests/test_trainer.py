@@ -710,6 +710,28 @@ def test_what_is_set_for_a_longer_run_is_said_before_training(tmp_path, caplog, 
     assert re.search(said, caplog.text) if said else not caplog.records, caplog.text
 
 
+def test_an_option_a_resume_or_an_evaluation_gives_without_effect_is_said(tmp_path):
+    """ema_decay=0.5 given to a resume or an evaluation of a run without EMA went unsaid: only
+    a new run's options were checked. The run's own options are not said again."""
+    assert run(tmp_path / "run", *TINY, "trainer.epochs=2", "trainer.stop_after_epoch=1").returncode == 0
+    for mode in ([f"trainer.resume={tmp_path / 'run'}"], ["mode=eval", f"checkpoint={tmp_path / 'run'}"]):
+        out = run(tmp_path / mode[0].split("=")[0], *mode, "ema_decay=0.5")
+        printed = out.stdout + out.stderr
+        assert out.returncode == 0 and printed.count("has no effect") == 1, printed
+        assert "WARNING] - ema_decay=0.5 has no effect: it is read only with ema=true" in printed, printed
+
+
+def test_the_optimizer_chosen_for_mode_bench_is_said_to_have_no_effect(tmp_path):
+    """mode=bench times the optimizers bench.optimizers lists: optimizer=lars timed momentum
+    without a word."""
+    bench = ["mode=bench", "bench.steps=1", "bench.warmup=1", "bench.baselines=[]", "model=fastnet_tiny", *TINY]
+    out = run(tmp_path / "lars", *bench, "optimizer=lars")
+    assert out.returncode == 0 and ("WARNING] - optimizer=lars has no effect with mode=bench: it times the optimizers "
+                                    "bench.optimizers lists (momentum)") in out.stdout + out.stderr, out.stderr
+    out = run(tmp_path / "default", *bench)
+    assert out.returncode == 0 and "WARNING" not in out.stdout + out.stderr, out.stdout + out.stderr
+
+
 def test_the_dist_options_of_a_one_process_job_are_said_unread(monkeypatch):
     """torchrun with one process plans no shards: dist.shard_optimizer=true there went unsaid."""
     from trainer.config import ignored

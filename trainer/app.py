@@ -141,6 +141,8 @@ def _take_options(cfg: TrainConfig, path: str, keys, hydra: DictConfig, task, sa
     taken = {key: value for key, value in take_options(cfg, written, keys, named).items() if read_by(cfg, key)}
     if taken and say:
         log.info("as the run that wrote %s: %s", path, " ".join(f"{key}={value}" for key, value in taken.items()))
+    for why in ignored(cfg, named) if say and _is_main() else ():  # with the run's options: ema_decay without its EMA
+        log.warning("%s", why)
 
 
 def run_eval(cfg: TrainConfig, run_dir: Path):
@@ -185,6 +187,12 @@ def run_export(cfg: TrainConfig, run_dir: Path):
 def run_bench(cfg: TrainConfig, run_dir: Path):
     from trainer import bench, dist
     device = dist.device_for(cfg.device, dist.from_env())
+    if _is_main():
+        for why in ignored(cfg):
+            log.warning("%s", why)
+        if {"optimizer", "optimizer.name"} & set(given(HydraConfig.get().overrides.task)):
+            log.warning("optimizer=%s has no effect with mode=bench: it times the optimizers bench.optimizers lists "
+                        "(%s)", cfg.optimizer.name, ", ".join(cfg.bench.optimizers))
     text = bench.run(cfg, device, cfg.bench.optimizers)
     print(text)  # each rank's, of its own GPU
     if not _is_main():

@@ -746,15 +746,17 @@ def read_by(cfg: TrainConfig, key: str) -> bool:
     return key not in _READ_ONLY_WITH or _READ_ONLY_WITH[key][0](cfg)
 
 
-def ignored(cfg: TrainConfig) -> list[str]:
+def ignored(cfg: TrainConfig, given: set[str] | None = None) -> list[str]:
     """The options set away from the schema's defaults that this configuration does not read
     (schedule.gamma without schedule=step, ema_decay without ema=true), and bench's outside
-    mode=bench. The group files set only what their own choice reads."""
+    mode=bench. The group files set only what their own choice reads. `given`: those alone,
+    the options a command line gives (a resume's, whose run's own were said as it started)."""
     now, defaults = options(cfg), options(TrainConfig())
-    out = [f"{key}={now[key]} has no effect: it is read only with {which}"
+    out = [(key, f"{key}={now[key]} has no effect: it is read only with {which}")
            for key, (reads, which) in _READ_ONLY_WITH.items() if now[key] != defaults[key] and not reads(cfg)]
-    return out + [f"{key}={value} has no effect: it is read only with mode=bench" for key, value in now.items()
-                  if key.startswith("bench.") and cfg.mode != "bench" and value != defaults[key]]
+    out += [(key, f"{key}={value} has no effect: it is read only with mode=bench") for key, value in now.items()
+            if key.startswith("bench.") and cfg.mode != "bench" and value != defaults[key]]
+    return [why for key, why in out if given is None or key in given]
 
 
 def plan_config(cfg: TrainConfig, schedule_steps: int, world: int = 1) -> PlanConfig:
