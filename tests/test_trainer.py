@@ -1896,6 +1896,33 @@ def test_deterministic_takes_fixed_order_kernels_and_false_gives_them_back():
     assert torch.backends.cudnn.benchmark
 
 
+def test_bench_pays_the_processs_one_off_costs_before_it_times_any_method():
+    """The first method's first step paid them (torch._dynamo's import by the optimizer's first
+    step: 1.5 s on a CPU), and so seemed seconds slower than the same method run later; on a
+    fresh process the step of any method after the warm-up imports nothing more."""
+    script = """
+import sys, torch
+from trainer import bench
+calls = []
+bench.warm_process, warm = (lambda device: calls.append("warm") or warm(device)), bench.warm_process
+bench._plain_loop = lambda cfg, method, device, stop: calls.append(method) or 0
+from trainer.config import compose_config
+cfg = compose_config(["mode=bench", "bench.baselines=[eager_bf16]"])
+bench.ours = lambda cfg, device: calls.append("ours")
+bench.table = lambda *args: ""
+bench.run(cfg, torch.device("cpu"), ["momentum"])
+before = set(sys.modules)
+m = torch.nn.Conv2d(3, 4, 3)
+opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+with torch.autocast("cpu", dtype=torch.bfloat16):
+    m(torch.randn(2, 3, 8, 8)).float().sum().backward()
+opt.step()
+print(calls, sorted(set(sys.modules) - before))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.stdout.strip() == "['warm', 'eager_bf16', 'ours'] []", out.stdout + out.stderr
+
+
 def test_bench_times_the_plain_loops_with_autotuning_whatever_ours_uses(monkeypatch):
     """The hand-written loop a user tunes for speed autotunes cuDNN; model.cudnn_benchmark=false
     is a setting of ours alone, and it holds again for our step. bench.baseline_autotune=false

@@ -269,10 +269,26 @@ def table(cfg: TrainConfig, results: list[Result], device) -> str:
     return "\n".join(lines)
 
 
+def warm_process(device):
+    """One step of a small convolution under autocast with torch's SGD, before any method is
+    timed: the process's one-off costs (torch._dynamo, which the optimizer's first step
+    imports; cuDNN's and cuBLAS's handles) fell in the first step of whichever method ran
+    first, which then seemed seconds slower than the same method run later."""
+    conv = torch.nn.Conv2d(3, 8, 3).to(device, memory_format=torch.channels_last)
+    opt = torch.optim.SGD(conv.parameters(), lr=0.01, momentum=0.9, **({"fused": True} if device.type == "cuda" else {}))
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        loss = conv(torch.randn(2, 3, 8, 8, device=device).to(memory_format=torch.channels_last)).float().square().mean()
+    loss.backward()
+    opt.step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def run(cfg: TrainConfig, device, optimizers: list[str]) -> str:
     use_device(device, cfg)  # cfg.model.cudnn_benchmark holds for ours; bench.baseline_autotune for the plain loops
     if device.type == "cuda":
         torch.cuda.init()
+    warm_process(device)
     results = [plain_loop(cfg, m, device) for m in cfg.bench.baselines]
     for name in optimizers:
         c = copy.deepcopy(cfg)
