@@ -355,19 +355,24 @@ def test_a_relative_path_is_read_from_the_folder_the_command_started_in_by_a_swe
         assert summary["checkpoint"] == str(tmp_path / "run" / "checkpoints" / "epoch_0001.pt")
 
 
-def test_a_run_in_a_folder_it_was_given_interrupted_before_its_first_checkpoint_is_told_to_remove_it(tmp_path):
-    """It was told there was nothing to continue from, and the same command was then refused
-    for the records it had left in its folder."""
-    with started(command(tmp_path / "run", "trainer.log_every=1"), cwd=tmp_path, stdout=subprocess.PIPE,
-                 stderr=subprocess.STDOUT) as proc:
+def interrupted_once_it_says(args: list[str], cwd: Path, said: str) -> tuple[int, str]:
+    """The command, sent Ctrl-C once it prints `said`: its exit status and all it printed."""
+    with started(args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
         printed = ""
-        while "epoch 1 step" not in printed:
+        while said not in printed:
             line = proc.stdout.readline()
             assert line, printed
             printed += line
         proc.send_signal(signal.SIGINT)
         printed += proc.communicate(timeout=60)[0]
-    assert proc.returncode == 130 and printed.rstrip().endswith(
+    return proc.returncode, printed
+
+
+def test_a_run_in_a_folder_it_was_given_interrupted_before_its_first_checkpoint_is_told_to_remove_it(tmp_path):
+    """It was told there was nothing to continue from, and the same command was then refused
+    for the records it had left in its folder."""
+    status, printed = interrupted_once_it_says(command(tmp_path / "run", "trainer.log_every=1"), tmp_path, "epoch 1 step")
+    assert status == 130 and printed.rstrip().endswith(
         f"interrupted before its first checkpoint: {tmp_path / 'run'} holds nothing to continue from; remove it and "
         "run the same command again"), printed
 
@@ -379,14 +384,7 @@ def test_an_interrupted_branch_is_told_how_to_start_it_again(tmp_path):
     assert run(tmp_path / "run", "trainer.epochs=3", "trainer.stop_after_epoch=2").returncode == 0
     branch = [f"trainer.resume={tmp_path / 'run' / 'checkpoints' / 'epoch_0001.pt'}", "trainer.epochs=3",
               "trainer.checkpoint_every=0"]
-    with started(command(tmp_path / "branch", *branch), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
-        printed = ""
-        while "epoch 2 step" not in printed:
-            line = proc.stdout.readline()
-            assert line, printed
-            printed += line
-        proc.send_signal(signal.SIGINT)
-        printed += proc.communicate(timeout=60)[0]
+    printed = interrupted_once_it_says(command(tmp_path / "branch", *branch), tmp_path, "epoch 2 step")[1]
     assert (f"interrupted before its first checkpoint: {tmp_path / 'branch'} holds nothing to continue from; remove it "
             "and run the same command again") in printed, printed
     shutil.rmtree(tmp_path / "branch")
