@@ -1631,6 +1631,12 @@ def test_bench_sets_our_step_beside_the_plain_loop_and_profiles_both():
     eager, ours = rows["eager_bf16"], rows["ours momentum fp32 eager"]
     assert eager[2] == "1.00x"
     assert eager[4] == ours[4] == "-"  # no peak memory measured on a CPU
+    # the arena of the plan's tensors, as the plan sizes it (it read 0.00 GiB for a small model)
+    from trainer.setup import make_plans
+    cfg.optimizer.name = "momentum"
+    arena = make_plans(cfg)[1].main.total_bytes
+    assert f"ours momentum fp32 eager: its arena (the plan's persistent tensors) {arena / 2**20:,.1f} MiB" in text
+    assert arena > 2**20
     ratio = float(ours[2].rstrip("x"))  # images/s against eager's, from the two timings
     assert ratio == pytest.approx(float(eager[0]) / float(ours[0]), rel=0.02)
     # each method's profile: its step's operators by their own time, which add up to a share of

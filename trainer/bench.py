@@ -260,7 +260,7 @@ def table(cfg: TrainConfig, results: list[Result], device) -> str:
         vs = lambda base: f"{r.images_per_s / base.images_per_s:.2f}x" if base else "-"
         lines.append(f"| {r.method} | {r.ms:.2f} | {r.images_per_s:,.0f} | {vs(eager)} | {vs(compiled)} | "
                      f"{'-' if r.peak_gib is None else f'{r.peak_gib:.3f}'} | {r.first_step_s:.1f} |")
-    arenas = [f"{r.method}: its arena (the plan's persistent tensors) {r.arena_gib:.2f} GiB"
+    arenas = [f"{r.method}: its arena (the plan's persistent tensors) {r.arena_gib * 1024:,.1f} MiB"
               + ("" if r.peak_gib is None else " of its peak") for r in results if r.arena_gib is not None]
     lines += ["", *arenas] if arenas else []
     for r in results:
