@@ -48,7 +48,8 @@ class Hook:
             def inside(frame, event, arg):  # the first Python call from its native initialization
                 if event == "call" and not frame.f_code.co_filename.startswith("<frozen"):
                     sys.setprofile(None)
-                    signal.raise_signal({sent})
+                    for _ in range({times}):
+                        signal.raise_signal({sent})
             sys.setprofile(inside)
 sys.meta_path.insert(0, Hook())
 sys.argv = {argv!r}
@@ -56,19 +57,23 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-@pytest.mark.parametrize("module, sent, status, said", [
-    ("numpy", signal.SIGINT, 130, "interrupted"),
-    ("numpy", signal.SIGTERM, 143, "terminated"),
-    ("matplotlib.ft2font", signal.SIGTERM, 143, "terminated; continue from epoch_0001.pt with trainer.resume=")],
-    ids=["ctrl_c_in_torchs_import", "sigterm_in_torchs_import", "sigterm_in_the_first_plot"])
-def test_a_signal_while_a_native_module_initializes_is_taken_once_it_has_loaded(tmp_path, module, sent, status, said):
+@pytest.mark.parametrize("module, sent, times, status, said", [
+    ("numpy", signal.SIGINT, 1, 130, "interrupted"),
+    ("numpy", signal.SIGINT, 2, 130, "stopped at once"),
+    ("numpy", signal.SIGTERM, 1, 143, "terminated"),
+    ("matplotlib.ft2font", signal.SIGTERM, 1, 143, "terminated; continue from epoch_0001.pt with trainer.resume=")],
+    ids=["ctrl_c_in_torchs_import", "ctrl_c_twice", "sigterm_in_torchs_import", "sigterm_in_the_first_plot"])
+def test_a_signal_while_a_native_module_initializes_is_taken_once_it_has_loaded(tmp_path, module, sent, times, status,
+                                                                                  said):
     """Ctrl-C inside torch's import of numpy was swallowed there: the run trained on, with
-    numpy half made. SIGTERM there ended the process without a word. SIGTERM inside
-    matplotlib's ft2font initialization, as the first checkpoint's curves were plotted, left
-    objects its static destructor freed after Python's finalization: the process aborted at
-    exit ("Fatal Python error: PyThreadState_Get"), under load in CI too."""
+    numpy half made; pressed twice, it ends the process at once, as elsewhere. SIGTERM there
+    ended the process without a word. SIGTERM inside matplotlib's ft2font initialization, as
+    the first checkpoint's curves were plotted, left objects its static destructor freed
+    after Python's finalization: the process aborted at exit ("Fatal Python error:
+    PyThreadState_Get"), under load in CI too."""
     argv = command(tmp_path / "run", *SMALL, "trainer.batch_size=32", "trainer.epochs=2")[1:]
-    out = subprocess.run([sys.executable, "-c", SIGNALLED_IMPORT.format(module=module, sent=int(sent), argv=argv)],
+    script = SIGNALLED_IMPORT.format(module=module, sent=int(sent), times=times, argv=argv)
+    out = subprocess.run([sys.executable, "-c", script],
                          capture_output=True, text=True, cwd=tmp_path, timeout=300, preexec_fn=from_a_terminal)
     printed = out.stdout + out.stderr
     assert out.returncode == status and said in printed, printed

@@ -597,6 +597,19 @@ def test_sigterm_to_torchrun_ends_the_ranks_at_once_and_rank_0_names_the_checkpo
     assert (run_dir / "run_rank1.log").read_text() == ""  # rank 1 ends without a word
 
 
+def test_a_rank_terminated_where_torchrun_restarts_the_job_says_so(monkeypatch):
+    """torchrun's agent, restarting a job whose rank failed, stops the others with SIGTERM:
+    rank 0 told the user to continue by hand, or to remove the folder of a job about to
+    start again in it."""
+    from trainer.app import _restarts_left
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    assert _restarts_left() == ("; where torchrun's agent restarts the job (2 restart(s) left, unless the agent "
+                                "itself was stopped), the job goes on from its newest checkpoint by itself")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert _restarts_left() == ""
+
+
 def test_every_gloo_collective_names_a_lost_rank_in_one_line(monkeypatch):
     """The checkpoint's gather and the set-up's broadcast called torch directly: a rank that
     hung there still ended the others in gloo's tracebacks."""

@@ -9,6 +9,7 @@ import math
 import os
 import re
 import resource
+import shutil
 import signal
 import struct
 import subprocess
@@ -176,6 +177,29 @@ def test_a_resumed_runs_summary_counts_the_training_of_every_epoch(tmp_path):
     assert (part["epochs"], summary["epochs"], resumed.images) == (1, 3, 2 * 512)
     assert summary["train_s"] == pytest.approx(part["train_s"] + resumed.train_seconds, abs=2e-3)
     assert summary["images_per_s"] == pytest.approx(3 * 512 / summary["train_s"], rel=1e-3)
+
+
+def test_a_checkpoint_older_than_the_training_time_it_keeps_takes_it_from_its_runs_summary(tmp_path, caplog):
+    """A checkpoint written before checkpoints kept the training so far: its run's summary of
+    the same step has it; without one, the summary's figures count from the resume, which
+    is said."""
+    train(tmp_path / "run", "trainer.epochs=3", "trainer.stop_after_epoch=1")
+    path = tmp_path / "run" / "checkpoints" / "epoch_0001.pt"
+    saved = torch.load(path, weights_only=True)
+    del saved["meta"]["trained"]
+    torch.save(saved, path)
+    part = json.loads((tmp_path / "run" / "summary.json").read_text())
+    resumed = train(tmp_path / "run", "trainer.epochs=3", "trainer.stop_after_epoch=2", f"trainer.resume={path}")
+    assert resumed.trained_before == {"images": round(part["images_per_s"] * part["train_s"]), "train_s": part["train_s"]}
+    (tmp_path / "run" / "summary.json").unlink()
+    path = tmp_path / "run" / "checkpoints" / "epoch_0002.pt"
+    saved = torch.load(path, weights_only=True)
+    del saved["meta"]["trained"]
+    torch.save(saved, path)
+    with caplog.at_level("WARNING", logger="trainer"):
+        resumed = train(tmp_path / "run", "trainer.epochs=3", f"trainer.resume={path}")
+    assert resumed.trained_before == {"images": 0, "train_s": 0.0}
+    assert f"{path} does not keep the training time before it" in caplog.text
 
 
 def test_resuming_a_finished_run_says_so_and_reports_its_results(tmp_path, caplog):
@@ -730,6 +754,9 @@ def test_the_optimizer_chosen_for_mode_bench_is_said_to_have_no_effect(tmp_path)
                                     "bench.optimizers lists (momentum)") in out.stdout + out.stderr, out.stderr
     out = run(tmp_path / "default", *bench)
     assert out.returncode == 0 and "WARNING" not in out.stdout + out.stderr, out.stdout + out.stderr
+    # an option of an optimizer it times is read: lars's, where bench.optimizers lists lars
+    out = run(tmp_path / "lars_eta", *bench, "bench.optimizers=[lars]", "optimizer.lars_eta=0.01")
+    assert out.returncode == 0 and "WARNING" not in out.stdout + out.stderr, out.stdout + out.stderr
 
 
 def test_the_dist_options_of_a_one_process_job_are_said_unread(monkeypatch):
@@ -1165,6 +1192,12 @@ def test_a_sweep_job_that_fails_is_named_at_the_end_and_the_jobs_after_it_run(tm
                      r"again\)\n$", again.stderr), again.stderr
     assert (tmp_path / "1" / "summary.json").read_bytes() == finished
     assert (tmp_path / "0" / "metrics.jsonl").read_bytes() == records
+    shutil.rmtree(tmp_path / "0")  # as that says: the job runs anew (and diverges anew)
+    anew = run(tmp_path, "optimizer.lr=1e9,0.1", "trainer.epochs=1", "trainer.seed=${data.num_classes}", *TINY,
+               multirun=True)
+    assert anew.returncode == 2 and re.search(r"\njob 0 \(.*\): the epoch's training loss, .* diverged and stopped",
+                                              anew.stderr) and "earlier attempt" not in anew.stderr, anew.stderr
+    assert (tmp_path / "0" / "metrics.jsonl").exists()
 
 
 def test_a_sweep_whose_record_of_its_jobs_cannot_be_written_still_names_the_one_that_failed(tmp_path, monkeypatch):

@@ -30,7 +30,7 @@ from trainer.config import (CHECKPOINT_OPTIONS, GOING_ON, RUN_OPTIONS, TrainConf
                             first_line, given_changes, given_options, ignored, read_by, recorded, take_options,
                             validate)
 from trainer.errors import CheckpointError, ConfigError, DataError, PeerError, TrainerError, WriteError
-from trainer.run_dir import (PARTS, continue_with, find_checkpoint, given, other_run, override, ranks,
+from trainer.run_dir import (PARTS, continue_with, find_checkpoint, given, launched, other_run, override, ranks,
                              restart_checkpoint, restarted, resumed_folder, saved, swept, writing)
 
 log = logging.getLogger("trainer")
@@ -188,9 +188,15 @@ def run_bench(cfg: TrainConfig, run_dir: Path):
     from trainer import bench, dist
     device = dist.device_for(cfg.device, dist.from_env())
     if _is_main():
-        for why in ignored(cfg):
+        timed = [copy.deepcopy(cfg) for _ in cfg.bench.optimizers]
+        for c, name in zip(timed, cfg.bench.optimizers):
+            c.optimizer.name = name
+        # an option no timed optimizer reads (optimizer.lars_eta is read where it times lars)
+        for why in [why for why in ignored(timed[0]) if all(why in ignored(c) for c in timed[1:])] if timed \
+                else ignored(cfg):
             log.warning("%s", why)
-        if {"optimizer", "optimizer.name"} & set(given(HydraConfig.get().overrides.task)):
+        if {"optimizer", "optimizer.name"} & set(given(HydraConfig.get().overrides.task)) and \
+                cfg.optimizer.name not in cfg.bench.optimizers:
             log.warning("optimizer=%s has no effect with mode=bench: it times the optimizers bench.optimizers lists "
                         "(%s)", cfg.optimizer.name, ", ".join(cfg.bench.optimizers))
     text = bench.run(cfg, device, cfg.bench.optimizers)
@@ -283,8 +289,10 @@ class RunDirectory(Callback):
                     raise _another_sweeps(sweep, job)
             _make(config.hydra.sweep.dir, "hydra.sweep.dir")
         _hold(config.hydra.sweep.dir)
-        if named:  # an earlier attempt's lines, but for the failures its jobs stand by (_refuse_another_jobs)
-            failed = [earlier[number] for number in sorted(set(jobs.values()) & set(earlier))] if jobs else []
+        if named:  # an earlier attempt's lines, but for the failures its jobs stand by (_refuse_another_jobs):
+            # those whose folders, checked as this sweep's own, still hold that attempt's records and no checkpoint
+            failed = [earlier[number] for folder, number in sorted(jobs.items(), key=lambda item: item[1])
+                      if number in earlier and _stands_failed(folder)] if jobs else []
             _write_jobs(Path(config.hydra.sweep.dir) / JOBS, failed)
         # the launcher composes each job's configuration again from these: the folder made (or with ~ expanded),
         # absolute, as a job under hydra.job.chdir=true reads it from its own folder
@@ -417,6 +425,14 @@ def _refuse_another_jobs(folder: Path, job_config: DictConfig, config: DictConfi
         raise ConfigError(f"{shown} ended before its first checkpoint (stopped, or failed: {folder / 'run.log'} says "
                           f"why), and {folder} holds its records: remove {folder}, then run the sweep again to start "
                           "that job anew")
+
+
+def _stands_failed(folder: Path) -> bool:
+    """Whether a sweep's job that failed in an earlier attempt fails again without running:
+    its folder holds that attempt's records and no checkpoint to go on from (a job whose
+    folder was removed, or that failed before it wrote any record, such as on a damaged
+    file since mended, runs anew)."""
+    return bool(other_run(folder, "")) and not saved(folder / "checkpoints")
 
 
 def _failed_before(sweep: Path) -> dict[int, dict]:
@@ -596,7 +612,9 @@ def _where_to_continue(cfg: DictConfig, run_dir: Path, hydra: DictConfig) -> str
     newest = _continue_from_newest(run_dir)
     if newest:
         return f"; {newest}"
-    if "hydra.run.dir" in given(hydra.overrides.hydra):  # a folder of its own: its records refuse the same command
+    # a folder of its own, whose records refuse the same command (torchrun's job folder is named for it by its
+    # job id, which a command run again may not share)
+    if "hydra.run.dir" in given(hydra.overrides.hydra) and (cfg.trainer.resume or not launched()):
         return (f" before its first checkpoint: {run_dir} holds nothing to continue from; remove it and run the same "
                 "command again")
     if cfg.trainer.resume:  # a checkpoint outside a run's folder: a new folder each time
@@ -707,8 +725,17 @@ def _stopped(e: BaseException, dict_cfg: DictConfig, run_dir: Path) -> SystemExi
     return SystemExit(130 if isinstance(e, KeyboardInterrupt) else 143)  # as a shell reports SIGINT, SIGTERM
 
 
-def _say_stopped(what: str, dict_cfg: DictConfig, run_dir: Path, hydra: DictConfig):
-    log.error("%s%s", what, _where_to_continue(dict_cfg, run_dir, hydra) if dict_cfg.mode == "train" else "")
+def _say_stopped(what: str, dict_cfg: DictConfig, run_dir: Path, hydra: DictConfig, after: str = ""):
+    log.error("%s%s%s", what, _where_to_continue(dict_cfg, run_dir, hydra) if dict_cfg.mode == "train" else "", after)
+
+
+def _restarts_left() -> str:
+    """What torchrun's agent does next where it has restarts left: it stops the ranks so, as
+    one failed, and starts the job again, which goes on from its newest checkpoint."""
+    count, most = (os.environ.get(key, "0") for key in ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"))
+    left = int(most) - int(count) if count.isdigit() and most.isdigit() else 0
+    return (f"; where torchrun's agent restarts the job ({left} restart(s) left, unless the agent itself was "
+            "stopped), the job goes on from its newest checkpoint by itself") if left > 0 else ""
 
 
 def _terminate_at_once(dict_cfg: DictConfig, run_dir: Path, hydra: DictConfig):
@@ -727,8 +754,8 @@ def _terminate_at_once(dict_cfg: DictConfig, run_dir: Path, hydra: DictConfig):
             pass
         for part in list(PARTS):  # a checkpoint half written
             part.unlink(missing_ok=True)
-        if _is_main():
-            _say_stopped("terminated", dict_cfg, run_dir, hydra)  # its handlers flush each line
+        if _is_main():  # its handlers flush each line
+            _say_stopped("terminated", dict_cfg, run_dir, hydra, after=_restarts_left())
         os._exit(143)
     threading.Thread(target=watch, name="sigterm", daemon=True).start()
 
@@ -752,13 +779,12 @@ def _exit_now(signum, frame):
 def main(dict_cfg: DictConfig):
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        from trainer.dist import launched
         signal.signal(signal.SIGINT, _interrupt)
         if launched():
             _terminate_at_once(dict_cfg, run_dir, HydraConfig.get())
         else:
             signal.signal(signal.SIGTERM, _interrupt)
-        if swept() and dict_cfg.mode == "train" and not saved(run_dir / "checkpoints"):
+        if swept() and dict_cfg.mode == "train" and _stands_failed(run_dir):
             before = _failed_before(Path(HydraConfig.get().sweep.dir)).get(HydraConfig.get().job.num)
             if before:  # its sweep's earlier attempt ended it; run again, it would end so again
                 again = f" (in the sweep's earlier attempt; to start this job anew, remove {run_dir} and run the sweep again)"

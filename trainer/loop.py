@@ -31,7 +31,7 @@ from trainer.future import TensorFuture
 from trainer.metrics import MetricsLog, Stopwatch, plot_curves, write_summary
 from trainer.plan import Baseline as B
 from trainer.regions import Region as R
-from trainer.run_dir import RECORDS, continue_with, other_run, restart_checkpoint, saved, swept
+from trainer.run_dir import RECORDS, continue_with, other_run, restart_checkpoint, run_folder, saved, swept
 from trainer.schedule import lr_multipliers
 from trainer.planner import bn_eps, first_conv
 from trainer.setup import assemble, use_device
@@ -76,9 +76,9 @@ class Trainer:
         if t.resume:
             done = checkpoint.load(Path(t.resume), self.arena, self.meta, dist.rank, model_only=evaluate_only)
             self.start_epoch, self.history = done["epoch"], done.get("history", [])
-            self.trained_before = done.get("trained", self.trained_before)  # not in checkpoints before 2026-12-02
             self._check_classes(t.resume, done.get("classes"))
             if not evaluate_only:
+                self.trained_before = done.get("trained") or self._trained_by_summary(t.resume, done.get("steps"))
                 self._check_epoch_length(t.resume, done.get("steps_per_epoch"), done.get("train_examples"),
                                          done.get("config", {}))
                 self._check_whole_epochs(t.resume, done.get("steps"))
@@ -373,6 +373,21 @@ class Trainer:
             if self.history:
                 plot_curves(self.run_dir, self.history)
         return summary
+
+    def _trained_by_summary(self, path: str, steps: int | None) -> dict:
+        """The images and seconds of training so far, for a checkpoint written before they
+        were kept in it (2026-12-02): from its run's summary.json where that is of the same
+        step; else none, which is said, as the summary's figures then count from here."""
+        try:
+            summary = json.loads((run_folder(path) / "summary.json").read_text())
+            if steps is not None and summary["steps"] == steps and summary["train_s"]:
+                return {"images": round(summary["images_per_s"] * summary["train_s"]), "train_s": summary["train_s"]}
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        if self.dist.is_main:
+            log.warning("%s does not keep the training time before it (a checkpoint written before 2026-12-02): "
+                        "summary.json's train_s and images_per_s count from this resume", path)
+        return {"images": 0, "train_s": 0.0}
 
     def _summary_steps(self) -> int | None:
         """The steps of the run's summary.json; None where there is none to read."""

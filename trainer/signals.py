@@ -1,6 +1,8 @@
 """Ctrl-C and SIGTERM held off while native modules initialize."""
 import contextlib
+import os
 import signal
+import sys
 import threading
 
 STOPPING = (signal.SIGINT, signal.SIGTERM)
@@ -25,5 +27,8 @@ def held():
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
+        if len(arrived) > 1:  # pressed again while held: at once, as a second Ctrl-C does while a run winds down
+            print("stopped at once", file=sys.stderr, flush=True)
+            os._exit(128 + arrived[-1])
         if arrived:
             signal.raise_signal(arrived[0])  # its handler raises here, or ends the process as it would have
