@@ -572,29 +572,35 @@ def test_a_rank_that_dies_part_way_is_one_line_on_the_others_with_where_to_go_on
                      rf"continue from epoch_0001.pt with trainer.resume={run_dir}, under torchrun with 2 processes", log), log
 
 
-def test_sigterm_to_torchrun_ends_the_ranks_at_once_and_rank_0_names_the_checkpoint(tmp_path):
+@pytest.mark.parametrize("sent, said", [(signal.SIGTERM, "terminated"), (signal.SIGINT, "interrupted")],
+                         ids=["sigterm_to_the_agent", "ctrl_c_to_every_process"])
+def test_a_torchrun_job_stopped_by_a_signal_names_the_checkpoint_once_on_rank_0(tmp_path, sent, said):
     """A preemption's SIGTERM to torchrun's agent, which sends it on to each rank: the ranks
-    died of it without a word, so nothing said where to continue from."""
+    died of it without a word, so nothing said where to continue from; now they end at once.
+    Ctrl-C, which a terminal sends to every process of the job: each rank said it."""
     import time
     run_dir = tmp_path / "run"
     job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}",
                             "--max-restarts=0", __file__, f"hydra.run.dir={run_dir}", "device=cpu",
                             f"trainer.batch_size={BATCH}", "data.train_size=128", "data.val_size=32",
                             "trainer.epochs=1000"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True)
+                           text=True, start_new_session=True)
     first = run_dir / "checkpoints" / "epoch_0001.pt"
     deadline = time.monotonic() + 240
     while not first.exists() and job.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
-    job.send_signal(signal.SIGTERM)
+    if sent == signal.SIGTERM:
+        job.send_signal(sent)
+    else:
+        os.killpg(job.pid, sent)
     out = job.communicate(timeout=120)[0]
     assert first.exists() and job.returncode != 0, out[-3000:]
-    said = re.findall(r"ERROR\] - terminated; continue from (epoch_\d{4}.pt) with trainer.resume=(\S+), under "
-                      rf"torchrun with {WORLD} processes", out)
-    assert len(said) == 1 and said[0][1] == str(run_dir) and "Traceback" not in (run_dir / "run.log").read_text(), out
+    lines = re.findall(rf"ERROR\] - {said}; continue from (epoch_\d{{4}}.pt) with trainer.resume=(\S+), under "
+                       rf"torchrun with {WORLD} processes", out)
+    assert len(lines) == 1 and lines[0][1] == str(run_dir) and "Traceback" not in (run_dir / "run.log").read_text(), out
     newest = sorted(p.name for p in (run_dir / "checkpoints").iterdir())[-1]
-    assert said[0][0] == newest and "terminated" in (run_dir / "run.log").read_text()
-    assert (run_dir / "run_rank1.log").read_text() == ""  # rank 1 ends without a word
+    assert lines[0][0] == newest and said in (run_dir / "run.log").read_text()
+    assert said not in (run_dir / "run_rank1.log").read_text()  # rank 0 alone says it
 
 
 def test_a_rank_terminated_where_torchrun_restarts_the_job_says_so(monkeypatch):

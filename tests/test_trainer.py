@@ -202,6 +202,21 @@ def test_a_checkpoint_older_than_the_training_time_it_keeps_takes_it_from_its_ru
     assert f"{path} does not keep the training time before it" in caplog.text
 
 
+def test_a_resume_by_another_number_of_processes_says_that_the_result_changes(tmp_path, caplog):
+    """Resumed by one process where two trained it (the same global batch), a run trained on
+    without a word, each BatchNorm normalizing over the whole batch where it had a half."""
+    train(tmp_path / "run", "trainer.epochs=2", "trainer.stop_after_epoch=1")
+    path = tmp_path / "run" / "checkpoints" / "epoch_0001.pt"
+    saved = torch.load(path, weights_only=True)
+    assert saved["meta"]["world"] == 1
+    saved["meta"]["world"] = 2  # as a job of two ranks saves it
+    torch.save(saved, path)
+    with caplog.at_level("WARNING", logger="trainer"):
+        train(tmp_path / "run", "trainer.epochs=2", f"trainer.resume={path}")
+    assert (f"{path} was trained by 2 process(es) and this run has 1: each BatchNorm normalizes over a rank's share "
+            "of the batch") in caplog.text
+
+
 def test_resuming_a_finished_run_says_so_and_reports_its_results(tmp_path, caplog):
     """Resumed with no epoch left (by hand, or by torchrun restarting a job after its last
     checkpoint), a run trains nothing, says why, and its summary is the checkpoint's."""

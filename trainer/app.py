@@ -720,8 +720,9 @@ def _stopped(e: BaseException, dict_cfg: DictConfig, run_dir: Path) -> SystemExi
     """Ctrl-C or SIGTERM: logs one line saying where to continue from, and gives the exit
     with the shell's status. A checkpoint is written whole or not at all: those there are
     intact."""
-    _say_stopped("interrupted" if isinstance(e, KeyboardInterrupt) else "terminated", dict_cfg, run_dir,
-                 HydraConfig.get())
+    if _is_main():  # under torchrun Ctrl-C reaches every rank: rank 0, which writes the checkpoints, says it
+        _say_stopped("interrupted" if isinstance(e, KeyboardInterrupt) else "terminated", dict_cfg, run_dir,
+                     HydraConfig.get())
     return SystemExit(130 if isinstance(e, KeyboardInterrupt) else 143)  # as a shell reports SIGINT, SIGTERM
 
 
@@ -799,7 +800,7 @@ def main(dict_cfg: DictConfig):
         if isinstance(e, (DataError, PeerError)) and dict_cfg.mode == "train" and _is_main() \
                 and saved(run_dir / "checkpoints"):
             why += f"; {'once that is mended' if isinstance(e, DataError) else 'to go on'}, " \
-                   f"{_to_go_on(run_dir, HydraConfig.get())}"
+                   f"{_to_go_on(run_dir, HydraConfig.get())}{_restarts_left()}"
         log.error("%s", why)
         if swept() and not isinstance(e, WriteError):
             return JobFailed(why)  # the sweep goes on to its next job

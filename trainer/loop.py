@@ -81,6 +81,7 @@ class Trainer:
                 self.trained_before = done.get("trained") or self._trained_by_summary(t.resume, done.get("steps"))
                 self._check_epoch_length(t.resume, done.get("steps_per_epoch"), done.get("train_examples"),
                                          done.get("config", {}))
+                self._check_world(t.resume, done.get("world"))
                 self._check_whole_epochs(t.resume, done.get("steps"))
                 self._check_schedule(t.resume, done.get("schedule_steps"),
                                      done.get("steps", self.start_epoch * self.per_epoch), done.get("config"))
@@ -412,7 +413,7 @@ class Trainer:
         meta = {**self.meta, "config": options(self.cfg), "epoch": epochs_done, "history": self.history,
                 "steps_per_epoch": self.per_epoch, "steps": min(epochs_done * self.per_epoch, self.total_steps),
                 "schedule_steps": self.total_steps, "train_examples": self.train_source.shard.total,
-                "classes": self.val_source.classes, "trained": self._trained()}
+                "classes": self.val_source.classes, "trained": self._trained(), "world": self.dist.world}
         checkpoint.save(folder / f"epoch_{epochs_done:04d}.pt", self.arena, meta, per_rank)
         checkpoint.prune(folder, self.cfg.trainer.keep_checkpoints)
 
@@ -446,6 +447,17 @@ class Trainer:
                 "train_s": self.trained_before["train_s"] + self.train_seconds}
 
     # -- helpers ----------------------------------------------------------------------------
+    def _check_world(self, path, then: int | None):
+        """A run resumed by another number of processes (the same global batch, as the epoch's
+        length is checked) trains on, but each BatchNorm then normalizes over another share of
+        the batch, so the result is not the run's own; said (`then`: None in checkpoints
+        written before it was kept, 2026-12-02). A sharded optimizer state is refused as it loads."""
+        if then is not None and then != self.dist.world and self.dist.is_main:
+            log.warning("%s was trained by %d process(es) and this run has %d: each BatchNorm normalizes over a "
+                        "rank's share of the batch, so training goes on over shares of another size and ends "
+                        "otherwise than the run would have; resume under torchrun with %d processes to go on "
+                        "as it was", path, then, self.dist.world, then)
+
     def _check_epoch_length(self, path, saved: int | None, examples: int | None, written: dict):
         """A resumed run's epochs must have the checkpoint's number of steps (`saved`; None
         in checkpoints written before it was kept): the schedule, the data order and the step

@@ -165,8 +165,8 @@ def restart_checkpoint(run_dir: Path) -> str:
 
 def continue_with(run_dir: Path, world: int) -> str:
     """How a run of `world` processes goes on from its folder's newest checkpoint: under
-    torchrun, with as many (a resume of another number is refused: the epochs' steps and
-    the data's split among ranks depend on it)."""
+    torchrun, with as many (with another number each BatchNorm normalizes over shares of
+    another size, which a resume says, and a sharded optimizer state is refused)."""
     return override("trainer.resume", run_dir) + (f", under torchrun with {world} processes as this job"
                                                   if world > 1 else "")
 
