@@ -143,7 +143,7 @@ def test_the_profile_sees_the_kernels_inside_the_step_graph():
                  "bench.warmup=3", "bench.baselines=[]", "bench.profile=5")
     text = bench.run(cfg, torch.device("cuda", 0), cfg.bench.optimizers)
     peak = float(table_rows(text.split("steps profiled:")[0])["ours momentum fp16"][4])
-    arena = float(re.search(r"its arena .* ([\d.]+) GiB of its peak", text)[1])
+    arena = float(re.search(r"its arena .* ([\d.,]+) MiB of its peak", text)[1].replace(",", "")) / 1024  # GiB
     assert 0 < arena < peak  # the step's activations come on top of the arena
     profiled = text.split("steps profiled:")[1]
     assert 0.3 < profile_share(profiled) < 1.2, profiled
