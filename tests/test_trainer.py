@@ -1248,9 +1248,10 @@ def test_a_sweep_with_a_bad_value_in_a_late_job_runs_no_job(tmp_path):
      "cannot freeze the stem's norm: the model has no BatchNorm right after its first conv"),
     (["kernels=torch,triton"], "kernels=triton: Triton kernels need a CUDA device (this run uses cpu)")],
     ids=["batch", "resolution", "freeze", "kernels"])
-def test_a_sweep_whose_late_job_its_set_up_would_refuse_runs_no_job(tmp_path, late, said):
+def test_a_sweep_whose_late_job_its_set_up_would_refuse_runs_no_job(tmp_path, monkeypatch, late, said):
     """What the set-up refuses beyond the values' own checks (the data's size, the model's,
     a freeze, the kernels) stopped a sweep only once the jobs before had trained."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # with which Triton's kernels run on a CPU: the kernel tests'
     sweep = tmp_path / "sweep"
     out = run(sweep, "trainer.epochs=2", "device=cpu", *late, *TINY[:2], multirun=True)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
