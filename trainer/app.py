@@ -30,8 +30,9 @@ from trainer.config import (CHECKPOINT_OPTIONS, GOING_ON, RUN_OPTIONS, TrainConf
                             first_line, given_changes, given_options, ignored, read_by, recorded, take_options,
                             validate)
 from trainer.errors import CheckpointError, ConfigError, DataError, PeerError, TrainerError, WriteError
-from trainer.run_dir import (PARTS, continue_with, find_checkpoint, given, launched, other_run, override, ranks,
+from trainer.run_dir import (continue_with, find_checkpoint, given, launched, other_run, override, ranks,
                              restart_checkpoint, restarted, resumed_folder, saved, swept, writing)
+from trainer.signals import exit_at_once
 
 log = logging.getLogger("trainer")
 
@@ -188,13 +189,11 @@ def run_bench(cfg: TrainConfig, run_dir: Path):
     from trainer import bench, dist
     device = dist.device_for(cfg.device, dist.from_env())
     if _is_main():
-        timed = [copy.deepcopy(cfg) for _ in cfg.bench.optimizers]
-        for c, name in zip(timed, cfg.bench.optimizers):
-            c.optimizer.name = name
         # an option no timed optimizer reads (optimizer.lars_eta is read where it times lars)
-        for why in [why for why in ignored(timed[0]) if all(why in ignored(c) for c in timed[1:])] if timed \
-                else ignored(cfg):
-            log.warning("%s", why)
+        unread = [ignored(c) for c in bench.with_optimizers(cfg, cfg.bench.optimizers)] or [ignored(cfg)]
+        for why in unread[0]:
+            if all(why in others for others in unread[1:]):
+                log.warning("%s", why)
         if {"optimizer", "optimizer.name"} & set(given(HydraConfig.get().overrides.task)) and \
                 cfg.optimizer.name not in cfg.bench.optimizers:
             log.warning("optimizer=%s has no effect with mode=bench: it times the optimizers bench.optimizers lists "
@@ -403,7 +402,7 @@ def _refuse_another_jobs(folder: Path, job_config: DictConfig, config: DictConfi
     those of another mode (plan, eval, export) again, which write the same results. A folder
     with another run's records, or with this job's records and no checkpoint (it was
     stopped before its first), is refused, and so is a file where the job's folder would
-    be. A job that failed before its first checkpoint (diverged, on a missing file: `earlier`
+    be. A job that failed before its first checkpoint (diverged, on a damaged file: `earlier`
     says why) stands failed, and the sweep goes on with the others (main)."""
     shown = f"sweep job {number} ({_shown(job)})"
     if folder.exists() and not folder.is_dir():  # Hydra's launcher failed on it after the jobs before it had run
@@ -753,11 +752,9 @@ def _terminate_at_once(dict_cfg: DictConfig, run_dir: Path, hydra: DictConfig):
     def watch():
         while os.read(read, 1) != bytes([signal.SIGTERM]):  # Ctrl-C: raised in the main thread, as without torchrun
             pass
-        for part in list(PARTS):  # a checkpoint half written
-            part.unlink(missing_ok=True)
         if _is_main():  # its handlers flush each line
             _say_stopped("terminated", dict_cfg, run_dir, hydra, after=_restarts_left())
-        os._exit(143)
+        exit_at_once(signal.SIGTERM, say=False)
     threading.Thread(target=watch, name="sigterm", daemon=True).start()
 
 
@@ -771,10 +768,7 @@ def _interrupt(signum, frame):
 
 
 def _exit_now(signum, frame):
-    for part in list(PARTS):  # a checkpoint half written: os._exit skips written_whole's removal
-        part.unlink(missing_ok=True)
-    print("stopped at once", file=sys.stderr, flush=True)
-    os._exit(128 + signum)  # as a shell reports a signal: 130 for SIGINT, 143 for SIGTERM
+    exit_at_once(signum)
 
 
 def main(dict_cfg: DictConfig):

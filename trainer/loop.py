@@ -7,7 +7,6 @@ it reads device values through TensorFutures at log steps and at the end of an e
 """
 import importlib
 import itertools
-import json
 import logging
 import math
 import time
@@ -28,7 +27,7 @@ from trainer.dist import Dist, device_for
 from trainer.errors import ConfigError, DivergedError, WriteError
 from trainer.feeder import BUFFERS, DoubleBuffer
 from trainer.future import TensorFuture
-from trainer.metrics import MetricsLog, Stopwatch, plot_curves, write_summary
+from trainer.metrics import MetricsLog, Stopwatch, plot_curves, read_summary, write_summary
 from trainer.plan import Baseline as B
 from trainer.regions import Region as R
 from trainer.run_dir import RECORDS, continue_with, other_run, restart_checkpoint, run_folder, saved, swept
@@ -369,7 +368,7 @@ class Trainer:
         checkpoint (the run was killed between the two). run_start to result_at: this
         process's time to its last evaluation result."""
         summary = self.summary(None if result_at is None else self._elapsed(run_start, result_at))
-        if self.dist.is_main and (self.images or evaluated or self._summary_steps() != summary["steps"]):
+        if self.dist.is_main and (self.images or evaluated or read_summary(self.run_dir).get("steps") != summary["steps"]):
             write_summary(self.run_dir, summary)
             if self.history:
                 plot_curves(self.run_dir, self.history)
@@ -379,23 +378,13 @@ class Trainer:
         """The images and seconds of training so far, for a checkpoint written before they
         were kept in it (2026-12-02): from its run's summary.json where that is of the same
         step; else none, which is said, as the summary's figures then count from here."""
-        try:
-            summary = json.loads((run_folder(path) / "summary.json").read_text())
-            if steps is not None and summary["steps"] == steps and summary["train_s"]:
-                return {"images": round(summary["images_per_s"] * summary["train_s"]), "train_s": summary["train_s"]}
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
+        summary = read_summary(run_folder(path))
+        if steps is not None and summary.get("steps") == steps and summary.get("train_s") and summary.get("images_per_s"):
+            return {"images": round(summary["images_per_s"] * summary["train_s"]), "train_s": summary["train_s"]}
         if self.dist.is_main:
             log.warning("%s does not keep the training time before it (a checkpoint written before 2026-12-02): "
                         "summary.json's train_s and images_per_s count from this resume", path)
         return {"images": 0, "train_s": 0.0}
-
-    def _summary_steps(self) -> int | None:
-        """The steps of the run's summary.json; None where there is none to read."""
-        try:
-            return json.loads((self.run_dir / "summary.json").read_text())["steps"]
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
 
     def _record(self, row: dict):
         self.history.append(row)

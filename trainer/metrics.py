@@ -116,6 +116,15 @@ def write_summary(run_dir: Path, summary: dict):
         f.write(to_json(summary, indent=1).encode())
 
 
+def read_summary(run_dir: Path) -> dict:
+    """A run's summary.json; {} where there is none to read (none yet, or damaged)."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return summary if isinstance(summary, dict) else {}
+
+
 def plot_curves(run_dir: Path, epochs: list[dict]):
     """Loss and top-1 per epoch, training and evaluation."""
     with held():  # its first import initializes native modules

@@ -65,7 +65,7 @@ def written_whole(path: Path):
     """A path to write `path`'s new content to, renamed over it once written: a run stopped
     part way (Ctrl-C, a full disk) leaves the previous file whole, and readers (a resume, two
     runs sharing a cache) never see half of one. An error removes the part written, and so
-    does an exit that skips this (a second Ctrl-C, trainer.app._exit_now), from PARTS."""
+    does an exit that skips this (a second Ctrl-C, trainer.signals.exit_at_once), from PARTS."""
     part = path.with_name(f"{path.name}.{os.getpid()}.part")
     PARTS.add(part)
     try:

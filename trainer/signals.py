@@ -28,7 +28,18 @@ def held():
         for sig, handler in before.items():
             signal.signal(sig, handler)
         if len(arrived) > 1:  # pressed again while held: at once, as a second Ctrl-C does while a run winds down
-            print("stopped at once", file=sys.stderr, flush=True)
-            os._exit(128 + arrived[-1])
+            exit_at_once(arrived[-1])
         if arrived:
             signal.raise_signal(arrived[0])  # its handler raises here, or ends the process as it would have
+
+
+def exit_at_once(signum: int, say: bool = True):
+    """Ends the process now, as a shell reports the signal (130 for SIGINT, 143 for SIGTERM),
+    without unwinding; the part of a checkpoint being written is removed, as os._exit skips
+    run_dir.written_whole's removal (those written are whole)."""
+    from trainer.run_dir import PARTS
+    for part in list(PARTS):
+        part.unlink(missing_ok=True)
+    if say:
+        print("stopped at once", file=sys.stderr, flush=True)
+    os._exit(128 + signum)
