@@ -738,6 +738,10 @@ def _restarts_left() -> str:
             "stopped), the job goes on from its newest checkpoint by itself") if left > 0 else ""
 
 
+_LAST_WORD = threading.Lock()  # rank 0's one line of why the run ended: the main thread's error, or torchrun's SIGTERM
+_SAID: list[str] = []  # that line, once the main thread has said it
+
+
 def _terminate_at_once(dict_cfg: DictConfig, run_dir: Path, hydra: DictConfig):
     """SIGTERM under torchrun (its agent stopping the job: a preemption, a peer's failure)
     ends this rank at once, where rank 0 first says where to continue from: the rank cannot
@@ -752,7 +756,8 @@ def _terminate_at_once(dict_cfg: DictConfig, run_dir: Path, hydra: DictConfig):
     def watch():
         while os.read(read, 1) != bytes([signal.SIGTERM]):  # Ctrl-C: raised in the main thread, as without torchrun
             pass
-        if _is_main():  # its handlers flush each line
+        # its handlers flush each line; an error the main thread is saying (a lost peer) is said once
+        if _is_main() and _LAST_WORD.acquire(timeout=10) and not _SAID:
             _say_stopped("terminated", dict_cfg, run_dir, hydra, after=_restarts_left())
         exit_at_once(signal.SIGTERM, say=False)
     threading.Thread(target=watch, name="sigterm", daemon=True).start()
@@ -789,13 +794,15 @@ def main(dict_cfg: DictConfig):
         cfg = _configured(dict_cfg, run_dir, HydraConfig.get(), HydraConfig.get().overrides.task)
         MODES[cfg.mode](cfg, run_dir)
     except TrainerError as e:
-        why = f"{e}{_once_there_is_room(e, dict_cfg, run_dir, HydraConfig.get()) if isinstance(e, WriteError) else ''}"
-        # rank 0 writes the checkpoints: another rank may look before the newest is in place
-        if isinstance(e, (DataError, PeerError)) and dict_cfg.mode == "train" and _is_main() \
-                and saved(run_dir / "checkpoints"):
-            why += f"; {'once that is mended' if isinstance(e, DataError) else 'to go on'}, " \
-                   f"{_to_go_on(run_dir, HydraConfig.get())}{_restarts_left()}"
-        log.error("%s", why)
+        with _LAST_WORD:  # torchrun's SIGTERM, which a lost peer brings too, then says nothing more
+            why = f"{e}{_once_there_is_room(e, dict_cfg, run_dir, HydraConfig.get()) if isinstance(e, WriteError) else ''}"
+            # rank 0 writes the checkpoints: another rank may look before the newest is in place
+            if isinstance(e, (DataError, PeerError)) and dict_cfg.mode == "train" and _is_main() \
+                    and saved(run_dir / "checkpoints"):
+                why += f"; {'once that is mended' if isinstance(e, DataError) else 'to go on'}, " \
+                       f"{_to_go_on(run_dir, HydraConfig.get())}{_restarts_left()}"
+            log.error("%s", why)
+            _SAID.append(why)
         if swept() and not isinstance(e, WriteError):
             return JobFailed(why)  # the sweep goes on to its next job
         # a full disk stops a sweep too: the next job's folder would end in Hydra's traceback
