@@ -14,8 +14,10 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 from collections import Counter
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -189,6 +191,34 @@ def on_two_ranks(tmp_path: Path, job: str, *args) -> list:
     """job(rank, *args) in two processes, which dist.start joins into one gloo group."""
     mp.spawn(_rank_main, (free_port(), tmp_path, job, args), nprocs=WORLD)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def _meet_in_the_attempts_store(rank: int, agent_port: int, restarts: tuple, late: float) -> float:
+    """A rank of one attempt of a torchrun job, started as torchrun's agent starts it, with
+    the agent's store; rank 0 `late` seconds after the others."""
+    os.environ.update(MASTER_PORT=str(agent_port), TORCHELASTIC_USE_AGENT_STORE="True",
+                      TORCHELASTIC_RESTART_COUNT=str(restarts[rank]))
+    time.sleep(late if rank == 0 else 0)
+    timeout = timedelta(seconds=20)
+    torch.distributed.init_process_group("gloo", timeout=timeout,
+                                         **dist._attempt_store(dist.Dist(rank, WORLD), timeout))
+    total = torch.tensor([rank + 1.0])
+    torch.distributed.all_reduce(total)
+    torch.distributed.destroy_process_group()
+    return total.item()
+
+
+def test_the_attempts_of_a_torchrun_job_meet_in_stores_of_their_own(tmp_path):
+    """torchrun's agent serves one store for the whole job, which keeps what the ranks of an
+    ended attempt wrote there. The second attempt here is a change of the rendezvous'
+    members: rank 0's node restarted its failed worker and counted it, rank 1's node
+    restarted its well one without counting. Under prefixes per restart count they looked
+    for each other under two, and rank 1 read the dead attempt's addresses; rank 0 comes
+    late, so rank 1 first finds the port of the ended attempt's store."""
+    agent = torch.distributed.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False)
+    for attempt, restarts in enumerate(((0, 0), (1, 0))):
+        assert on_two_ranks(tmp_path, "_meet_in_the_attempts_store", agent.port, restarts, attempt * 1.0) \
+            == [3.0, 3.0]
 
 
 def engine(cfg, d):
@@ -388,22 +418,25 @@ def records(run_dir: Path) -> tuple[dict, list]:
     return {r["step"]: r["loss"] for r in rows if "step" in r}, [r for r in rows if "train_loss" in r]
 
 
-def launch_nodes(cwd: Path, *args, job: str = "nodes7", gpus: bool = False):
+def launch_nodes(cwd: Path, *args, job: str = "nodes7", gpus: bool = False, restarts: int = 0,
+                 env: dict | None = None) -> list[str]:
     """This file as the trainer script on two nodes of one process each: two torchrun
     agents on this host that meet through a c10d rendezvous, as the nodes of a multi-node
     job do (`gpus`: each node sees one GPU of its own, its device 0). No hydra.run.dir: the
-    nodes agree on the job's directory through its --rdzv_id, cwd/outputs/torchrun/<job>."""
-    head = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--max-restarts=0",
-            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", f"--rdzv_id={job}"]
+    nodes agree on the job's directory through its --rdzv_id, cwd/outputs/torchrun/<job>.
+    Returns each node's output, its agent's log with it."""
+    head = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+            f"--max-restarts={restarts}", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+            f"--rdzv_id={job}"]
     # one thread a process, as torchrun gives each of several processes on one node: the
     # nodes then sum in the one-node job's order
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     nodes = [subprocess.Popen([*head, __file__, *E2E, *args], cwd=cwd, stdout=subprocess.PIPE, text=True,
                               env={**env, "CUDA_VISIBLE_DEVICES": str(node)} if gpus else env,
                               stderr=subprocess.STDOUT) for node in range(2)]
-    for node in nodes:
-        out = node.communicate(timeout=300)[0]
-        assert node.returncode == 0, out[-3000:]
+    outs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(out[-3000:] for out in outs)
+    return outs
 
 
 @pytest.fixture(scope="module")
@@ -413,8 +446,12 @@ def e2e(tmp_path_factory) -> Path:
            env={"TEST_GHOST_BN": str(WORLD)})
     launch(root / "two", "device=cpu", f"trainer.batch_size={BATCH}")
     launch_nodes(root, "device=cpu", f"trainer.batch_size={BATCH}")
-    launch(root / "killed", "device=cpu", f"trainer.batch_size={BATCH}", "dist.shard_optimizer=true",
-           env={"TEST_KILL_AT_STEP": str(PER_EPOCH + PER_EPOCH // 2)})
+    # rank 1 killed, rank 0 waiting at that step until its agent stops it to start the job again
+    outs = launch_nodes(root, "device=cpu", f"trainer.batch_size={BATCH}", "dist.shard_optimizer=true",
+                        job="killed", restarts=1,
+                        env={"TEST_KILL_AT_STEP": str(PER_EPOCH + PER_EPOCH // 2), "TEST_RANK0_WAITS": "1",
+                             "LOGLEVEL": "INFO"})  # the agents' log
+    (root / "killed.log").write_text("\n".join(outs))
     return root
 
 
@@ -445,7 +482,15 @@ def test_two_nodes_train_as_two_ranks_of_one_node_in_the_directory_their_job_id_
 
 
 def test_a_killed_worker_is_restarted_and_the_job_resumes(e2e):
-    killed = e2e / "killed"
+    """Across two nodes: the node whose worker was killed counts the restart, the other
+    restarts its well worker, as torchrun's agents do for a change of the rendezvous'
+    members, without counting it. That node's worker took the job's own folder for another
+    run's (and the attempts met under two names, the restart counts), and the job went on
+    only where that node had a restart left to spend on the failure."""
+    killed = e2e / "outputs" / "torchrun" / "killed"
+    agents = (e2e / "killed.log").read_text()
+    assert "new nodes from group_rank" in agents  # the uncounted restart
+    assert agents.count("Worker group FAILED") == 1  # the killed worker's; its peer went on in the next attempt
     assert f"resumed from {killed}, saved after epoch 1" in (killed / "run.log").read_text()
     assert json.loads((killed / "summary.json").read_text())["steps"] == 2 * PER_EPOCH
     (steps, epochs), (straight, straight_epochs) = records(killed), records(e2e / "two")
@@ -665,16 +710,20 @@ def _fail_evaluation():
     Trainer.run_steps = fail_on_val
 
 
-def _die_at_training_step(k: int):
-
-    """Rank 1 kills itself, once, as its k-th training step begins."""
+def _die_at_training_step(k: int, killed: Path):
+    """In a job's first attempt (`killed` does not exist yet), rank 1 kills itself as its k-th
+    training step begins, and (TEST_RANK0_WAITS) rank 0 waits there until its agent stops it."""
     from trainer.executor import Executor
     run_step, done = Executor.run, Counter()
+    rank = os.environ.get("RANK")
 
     def run_or_die(self, variant: str, buffer: str):
         done["train"] += variant.startswith("train")
-        if done["train"] == k:
+        if done["train"] == k and rank == "1":
+            killed.touch()
             os.kill(os.getpid(), signal.SIGKILL)
+        if done["train"] == k and rank == "0" and os.environ.get("TEST_RANK0_WAITS"):
+            time.sleep(120)
         run_step(self, variant, buffer)
     Executor.run = run_or_die
 
@@ -688,9 +737,11 @@ if __name__ == "__main__":  # a trainer process of the end-to-end tests, with th
     if os.environ.get("TEST_GHOST_BN"):
         make_model = trainer.setup.make_model
         trainer.setup.make_model = lambda cfg: ghost_batch_norm(make_model(cfg), int(os.environ["TEST_GHOST_BN"]))
-    if os.environ.get("TEST_KILL_AT_STEP") and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" \
-            and os.environ.get("RANK") == "1":
-        _die_at_training_step(int(os.environ["TEST_KILL_AT_STEP"]))
+    # the restart count does not say a job's first attempt: an agent restarting its well workers for
+    # another node's failed one does not count that restart
+    killed_mark = Path.cwd() / f"rank1_killed_{os.environ.get('TORCHELASTIC_RUN_ID')}"
+    if os.environ.get("TEST_KILL_AT_STEP") and not killed_mark.exists():
+        _die_at_training_step(int(os.environ["TEST_KILL_AT_STEP"]), killed_mark)
     if "TEST_FAIL_EVALUATION_RANK" in os.environ and os.environ["TEST_FAIL_EVALUATION_RANK"] == os.environ.get("RANK"):
         _fail_evaluation()
     if os.environ.get("TEST_RANK1_ARGS") and os.environ.get("RANK") == "1":

@@ -256,7 +256,8 @@ class RunDirectory(Callback):
         expand_paths(config)
         _expand_home(config, "run")
         read = config.trainer.resume if config.mode == "train" else config.checkpoint or config.trainer.resume
-        if read and config.mode in ("train", "eval", "export") and not restarted():  # a restart takes the folder's
+        # a restart of a torchrun job goes on from its folder's newest checkpoint, not from `read`
+        if read and config.mode in ("train", "eval", "export") and not restarted(config.hydra.run.dir):
             find_checkpoint(read)  # before Hydra makes a folder for a run that cannot start
         named = "hydra.run.dir" in given(config.hydra.overrides.hydra)
         if config.mode == "train" and config.trainer.resume:

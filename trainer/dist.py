@@ -154,16 +154,43 @@ def start(cfg) -> Dist:
 
 
 def _attempt_store(d: Dist, timeout: timedelta) -> dict:
-    """torchrun's agent keeps one store for the whole job, and this torch's env:// rendezvous
-    does not key it by restart: the workers of a restarted job would read the addresses the
-    dead ones left there (gloo's mesh, NCCL's unique id) and fail or hang. One prefix per
-    attempt keeps the attempts apart."""
+    """The store this attempt's ranks meet in. torchrun's agent serves one store for the whole
+    job (TORCHELASTIC_USE_AGENT_STORE) and keeps what an earlier attempt's ranks wrote there:
+    a restarted job's workers read the addresses the dead ones left (gloo's mesh, NCCL's unique
+    id) and failed or hung. A prefix per TORCHELASTIC_RESTART_COUNT did not keep the attempts
+    apart across nodes: an agent that restarts its workers because another node's failed does
+    not count that restart. So rank 0 serves a store of its own, new with each attempt, on a
+    free port of its node (MASTER_ADDR), and leaves the port in the agent's store."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
-    store = td.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), d.world, is_master=False,
-                        timeout=timeout)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return {"store": td.PrefixStore(f"/trainer/attempt_{attempt}", store), "rank": d.rank, "world_size": d.world}
+    host = os.environ["MASTER_ADDR"]
+    agent = td.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    if d.rank == 0:
+        store = td.TCPStore(host, 0, d.world, is_master=True, timeout=timeout, wait_for_workers=False)
+        agent.set(_STORE_PORT, str(store.port))
+    else:
+        store = _rank_0s_store(agent, host, timeout)
+    return {"store": store, "rank": d.rank, "world_size": d.world}
+
+
+_STORE_PORT = "/trainer/store_port"
+
+
+def _rank_0s_store(agent, host: str, timeout: timedelta):
+    """The store that this attempt's rank 0 serves. The port read may be an ended attempt's,
+    where nothing answers any more (torchrun's agents stop every worker before the next
+    attempt starts): read again until this attempt's rank 0 has written its own."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        try:
+            store = td.TCPStore(host, int(agent.get(_STORE_PORT)), is_master=False, timeout=timedelta(seconds=2))
+        except (RuntimeError, TimeoutError):  # DistStoreError and DistNetworkError are RuntimeErrors
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+            continue
+        store.set_timeout(timeout)
+        return store
 
 
 def device_for(choice: str, d: Dist) -> torch.device:

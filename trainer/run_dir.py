@@ -110,10 +110,13 @@ def agent_started_at() -> float | None:
     return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
-def restarted() -> bool:
-    """Whether torchrun restarted the job (TORCHELASTIC_RESTART_COUNT > 0)."""
-    count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return launched() and count.isdigit() and int(count) > 0
+def restarted(run_dir: Path) -> bool:
+    """Whether torchrun's agent started this worker again in a job that has written its records
+    in run_dir. Not TORCHELASTIC_RESTART_COUNT > 0: an agent counts the restarts that its own
+    workers' failures cause, and one that restarts its workers because another node's failed
+    (a change of the rendezvous' members) leaves the count at 0 on its node."""
+    records = Path(run_dir) / RECORDS
+    return launched() and records.exists() and _this_jobs(records)
 
 
 def swept() -> bool:
@@ -159,7 +162,7 @@ def _this_jobs(path: Path) -> bool:
 def restart_checkpoint(run_dir: Path) -> str:
     """After torchrun restarted the job: the run folder, whose newest checkpoint the job
     continues from, if this job wrote one there; else ''."""
-    found = saved(Path(run_dir) / "checkpoints") if restarted() else []
+    found = saved(Path(run_dir) / "checkpoints") if launched() else []
     return str(run_dir) if found and _this_jobs(found[-1]) else ""
 
 
@@ -214,7 +217,7 @@ def other_run(run_dir: Path, resume: str) -> str | None:
     not write into run_dir, or None: the folder holds the checkpoints or results of another
     run, which it would write its own over."""
     run_dir = Path(run_dir)
-    found, records = saved(run_dir / "checkpoints"), run_dir / RECORDS
+    found = saved(run_dir / "checkpoints")
     written = [name for name in RESULTS if (run_dir / name).exists()]
     if not (found or written):
         return None
@@ -224,7 +227,7 @@ def other_run(run_dir: Path, resume: str) -> str | None:
                     f"{run_dir} would write over the newer ones; give this branch a folder of its own "
                     f"(hydra.run.dir=...), or continue from the newest with {override('trainer.resume', run_dir)}")
         return None
-    if restarted() and not found and records.exists() and _this_jobs(records):
+    if not found and restarted(run_dir):
         return None  # torchrun restarted this job before its first checkpoint
     if found:
         return (f"{run_dir} holds another run's checkpoints ({found[-1].name}): continue that run with "
