@@ -753,11 +753,26 @@ def test_an_option_a_resume_or_an_evaluation_gives_without_effect_is_said(tmp_pa
     """ema_decay=0.5 given to a resume or an evaluation of a run without EMA went unsaid: only
     a new run's options were checked. The run's own options are not said again."""
     assert run(tmp_path / "run", *TINY, "trainer.epochs=2", "trainer.stop_after_epoch=1").returncode == 0
-    for mode in ([f"trainer.resume={tmp_path / 'run'}"], ["mode=eval", f"checkpoint={tmp_path / 'run'}"]):
+    for mode, said in ([[f"trainer.resume={tmp_path / 'run'}"], ": it is read only with ema=true"],
+                       [["mode=eval", f"checkpoint={tmp_path / 'run'}"], " with mode=eval: it evaluates"]):
         out = run(tmp_path / mode[0].split("=")[0], *mode, "ema_decay=0.5")
         printed = out.stdout + out.stderr
         assert out.returncode == 0 and printed.count("has no effect") == 1, printed
-        assert "WARNING] - ema_decay=0.5 has no effect: it is read only with ema=true" in printed, printed
+        assert f"WARNING] - ema_decay=0.5 has no effect{said}" in printed, printed
+
+
+def test_the_options_only_training_reads_given_to_an_evaluation_or_export_are_said(tmp_path):
+    """optimizer.lr=0.5 or optimizer=lars given to mode=eval or mode=export changed nothing
+    without a word, as did data.tta=1 given to export, which evaluates nothing: each is named
+    once, as written."""
+    assert run(tmp_path / "run", *TINY, "trainer.epochs=1").returncode == 0
+    given = ["optimizer=lars", "optimizer.lr=0.5", "trainer.epochs=5", "schedule.gamma=0.5", "data.tta=1"]
+    for mode, unread in (("eval", given[:-1]), ("export", given)):
+        out = run(tmp_path / mode, f"mode={mode}", f"checkpoint={tmp_path / 'run'}", *given)
+        printed = out.stdout + out.stderr
+        assert out.returncode == 0 and printed.count("has no effect") == len(unread), printed
+        for key in unread:
+            assert f"WARNING] - {key} has no effect with mode={mode}: it " in printed, printed
 
 
 def test_the_optimizer_chosen_for_mode_bench_is_said_to_have_no_effect(tmp_path):

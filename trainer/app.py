@@ -28,7 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from trainer.config import (CHECKPOINT_OPTIONS, GOING_ON, RUN_OPTIONS, TrainConfig, chosen_keys, expand_paths,
                             first_line, given_changes, given_options, ignored, read_by, recorded, take_options,
-                            validate)
+                            unread_by_mode, validate)
 from trainer.errors import CheckpointError, ConfigError, DataError, PeerError, TrainerError, WriteError
 from trainer.run_dir import (continue_with, find_checkpoint, given, launched, other_run, override, ranks,
                              restart_checkpoint, restarted, resumed_folder, saved, swept, writing)
@@ -142,7 +142,8 @@ def _take_options(cfg: TrainConfig, path: str, keys, hydra: DictConfig, task, sa
     taken = {key: value for key, value in take_options(cfg, written, keys, named).items() if read_by(cfg, key)}
     if taken and say:
         log.info("as the run that wrote %s: %s", path, " ".join(f"{key}={value}" for key, value in taken.items()))
-    for why in ignored(cfg, named) if say and _is_main() else ():  # with the run's options: ema_decay without its EMA
+    # with the run's options: ema_decay without its EMA; and, evaluating, the optimizer's, which only training reads
+    for why in [*unread_by_mode(cfg, choices), *ignored(cfg, named)] if say and _is_main() else ():
         log.warning("%s", why)
 
 

@@ -741,9 +741,40 @@ _READ_ONLY_WITH = {
 }
 
 
+# What the modes that read a checkpoint's weights do not read: evaluation trains nothing, export
+# neither trains nor evaluates. Keys and groups (optimizer=...); given to the mode, each is said,
+# as ignored() says an option its configuration does not read (a sweep may cross one with it).
+_TRAINING = ("optimizer", "schedule", "ema_decay", "dist.shard_optimizer", "dist.deep_conv_buckets",
+             *(f"data.{key}" for key in ("crop_padding", "flip", "cutout", "min_crop_area")),
+             *(f"trainer.{key}" for key in ("epochs", "label_smoothing", "lowres_epochs", "lowres_resolution",
+                                            "first_conv_init", "first_conv_freeze_epochs", "stem_norm_freeze_epochs",
+                                            "ema_every", "ema_warmup_power", "lookahead", "checkpoint_every",
+                                            "keep_checkpoints", "stop_after_epoch", "log_every", "eval_every",
+                                            "grad_scale_init", "grad_scale_growth_interval")))
+_EVALUATION = ("trainer.val_batch_size",
+               *(f"data.{key}" for key in ("root", "val_size", "val_resize", "tta", "host_decode", "check_files",
+                                           "threads", "decode_cache")))
+_UNREAD_BY_MODE = {"eval": (_TRAINING, "it evaluates the checkpoint's weights and trains nothing"),
+                   "export": (_TRAINING + _EVALUATION,
+                              "it writes out the checkpoint's weights and neither trains nor evaluates them")}
+
+
+def _unread_by_mode(mode: str, key: str) -> bool:
+    unread = _UNREAD_BY_MODE[mode][0] if mode in _UNREAD_BY_MODE else ()
+    return any(key == name or key.startswith(name + ".") for name in unread)
+
+
+def unread_by_mode(cfg: TrainConfig, given: dict[str, str]) -> list[str]:
+    """Those of the options a command line gives (`given`: its keys and values as written,
+    optimizer=lars as such) that cfg's mode does not read at all: training's in mode=eval."""
+    return [f"{key}={value} has no effect with mode={cfg.mode}: {_UNREAD_BY_MODE[cfg.mode][1]}"
+            for key, value in given.items() if _unread_by_mode(cfg.mode, key)]
+
+
 def read_by(cfg: TrainConfig, key: str) -> bool:
-    """Whether this configuration reads the option `key` (model.widths only a fastnet model)."""
-    return key not in _READ_ONLY_WITH or _READ_ONLY_WITH[key][0](cfg)
+    """Whether this configuration reads the option `key` (model.widths only a fastnet model; data.tta
+    any mode but export)."""
+    return (key not in _READ_ONLY_WITH or _READ_ONLY_WITH[key][0](cfg)) and not _unread_by_mode(cfg.mode, key)
 
 
 def ignored(cfg: TrainConfig, given: set[str] | None = None) -> list[str]:
@@ -753,7 +784,9 @@ def ignored(cfg: TrainConfig, given: set[str] | None = None) -> list[str]:
     the options a command line gives (a resume's, whose run's own were said as it started)."""
     now, defaults = options(cfg), options(TrainConfig())
     out = [(key, f"{key}={now[key]} has no effect: it is read only with {which}")
-           for key, (reads, which) in _READ_ONLY_WITH.items() if now[key] != defaults[key] and not reads(cfg)]
+           for key, (reads, which) in _READ_ONLY_WITH.items()
+           # unread_by_mode says those the mode reads in no configuration
+           if now[key] != defaults[key] and not reads(cfg) and not _unread_by_mode(cfg.mode, key)]
     out += [(key, f"{key}={value} has no effect: it is read only with mode=bench") for key, value in now.items()
             if key.startswith("bench.") and cfg.mode != "bench" and value != defaults[key]]
     return [why for key, why in out if given is None or key in given]
