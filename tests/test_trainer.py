@@ -775,6 +775,18 @@ def test_the_options_only_training_reads_given_to_an_evaluation_or_export_are_sa
             assert f"WARNING] - {key} has no effect with mode={mode}: it " in printed, printed
 
 
+def test_an_evaluation_given_two_checkpoints_is_refused(tmp_path):
+    """checkpoint= and trainer.resume= (which mode=eval reads where checkpoint= is not given)
+    naming two: the second was ignored without a word, even where it named nothing."""
+    assert run(tmp_path / "run", *TINY, "trainer.epochs=1").returncode == 0
+    before = sorted(tmp_path.rglob("*"))
+    out = run(tmp_path / "eval", "mode=eval", f"checkpoint={tmp_path / 'run'}", f"trainer.resume={tmp_path / 'none'}")
+    assert out.returncode == 2 and out.stderr == (f"checkpoint={tmp_path / 'run'} and trainer.resume={tmp_path / 'none'} "
+                                                  "name two checkpoints, and mode=eval reads one: give checkpoint= "
+                                                  "alone\n"), out.stderr
+    assert sorted(tmp_path.rglob("*")) == before
+
+
 def test_the_optimizer_chosen_for_mode_bench_is_said_to_have_no_effect(tmp_path):
     """mode=bench times the optimizers bench.optimizers lists: optimizer=lars timed momentum
     without a word."""

@@ -85,6 +85,9 @@ def _configured(dict_cfg: DictConfig, run_dir: Path, hydra: DictConfig, task, sa
     elif cfg.mode in ("eval", "export"):
         if not (cfg.checkpoint or cfg.trainer.resume):
             raise CheckpointError(f"mode={cfg.mode} needs checkpoint=PATH (a checkpoint file or a run directory)")
+        if cfg.checkpoint and cfg.trainer.resume and cfg.checkpoint != cfg.trainer.resume:  # the second went unread, unsaid
+            raise ConfigError(f"checkpoint={cfg.checkpoint} and trainer.resume={cfg.trainer.resume} name two "
+                              f"checkpoints, and mode={cfg.mode} reads one: give checkpoint= alone")
         # the file, not its run's folder, where a resumed run writes newer ones: what it read is recorded
         cfg.trainer.resume = str(find_checkpoint(cfg.checkpoint or cfg.trainer.resume))
         _take_options(cfg, cfg.trainer.resume, CHECKPOINT_OPTIONS, hydra, task, say)
