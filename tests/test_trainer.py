@@ -763,11 +763,11 @@ def test_an_option_a_resume_or_an_evaluation_gives_without_effect_is_said(tmp_pa
 
 def test_the_options_only_training_reads_given_to_an_evaluation_or_export_are_said(tmp_path):
     """optimizer.lr=0.5 or optimizer=lars given to mode=eval or mode=export changed nothing
-    without a word, as did data.tta=1 given to export, which evaluates nothing: each is named
-    once, as written."""
+    without a word, as did data.tta=1 and graphs=false given to export, which evaluates nothing
+    and runs no step: each is named once, as written."""
     assert run(tmp_path / "run", *TINY, "trainer.epochs=1").returncode == 0
-    given = ["optimizer=lars", "optimizer.lr=0.5", "trainer.epochs=5", "schedule.gamma=0.5", "data.tta=1"]
-    for mode, unread in (("eval", given[:-1]), ("export", given)):
+    given = ["optimizer=lars", "optimizer.lr=0.5", "trainer.epochs=5", "schedule.gamma=0.5", "data.tta=1", "graphs=false"]
+    for mode, unread in (("eval", given[:-2]), ("export", given)):
         out = run(tmp_path / mode, f"mode={mode}", f"checkpoint={tmp_path / 'run'}", *given)
         printed = out.stdout + out.stderr
         assert out.returncode == 0 and printed.count("has no effect") == len(unread), printed

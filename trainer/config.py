@@ -754,9 +754,12 @@ _TRAINING = ("optimizer", "schedule", "ema_decay", "dist.shard_optimizer", "dist
 _EVALUATION = ("trainer.val_batch_size",
                *(f"data.{key}" for key in ("root", "val_size", "val_resize", "tta", "host_decode", "check_files",
                                            "threads", "decode_cache")))
+# where and how the model's steps run: export copies the weights out on the CPU and runs none
+_RUNNING = ("device", "graphs", "kernels", "compile", "compile_options", "compile_cache", "deterministic")
 _UNREAD_BY_MODE = {"eval": (_TRAINING, "it evaluates the checkpoint's weights and trains nothing"),
-                   "export": (_TRAINING + _EVALUATION,
-                              "it writes out the checkpoint's weights and neither trains nor evaluates them")}
+                   "export": (_TRAINING + _EVALUATION + _RUNNING,
+                              "it writes out the checkpoint's weights, on the CPU, and neither trains nor evaluates "
+                              "them")}
 
 
 def _unread_by_mode(mode: str, key: str) -> bool:
