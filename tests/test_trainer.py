@@ -787,6 +787,20 @@ def test_an_evaluation_given_two_checkpoints_is_refused(tmp_path):
     assert sorted(tmp_path.rglob("*")) == before
 
 
+def test_an_evaluation_or_export_given_another_model_is_refused_before_its_folder_is_made(tmp_path):
+    """model=resnet18 (or ema=true) given for a fastnet's checkpoint was refused once the run
+    had started, in a folder left holding only its .hydra/ and run.log."""
+    assert run(tmp_path / "run", *TINY, "trainer.epochs=1").returncode == 0
+    path = tmp_path / "run" / "checkpoints" / "epoch_0001.pt"
+    for mode, given, said in (("eval", "model=resnet18", "model: checkpoint 'fastnet', this run 'resnet18'"),
+                              ("export", "ema=true", "ema: checkpoint False, this run True")):
+        out = run(tmp_path / mode, f"mode={mode}", f"checkpoint={tmp_path / 'run'}", given)
+        assert out.returncode == 2 and out.stderr == (f"checkpoint {path} does not fit this run: {said}; leave those "
+                                                      "options out: evaluation and export take them from the "
+                                                      "checkpoint\n"), out.stderr
+        assert not (tmp_path / mode).exists()
+
+
 def test_the_optimizer_chosen_for_mode_bench_is_said_to_have_no_effect(tmp_path):
     """mode=bench times the optimizers bench.optimizers lists: optimizer=lars timed momentum
     without a word."""
@@ -1545,7 +1559,7 @@ def test_eval_and_export_take_the_model_options_of_the_run_that_wrote_the_checkp
     assert out.returncode == 0, out.stdout + out.stderr
     out = run(tmp_path / "other", "mode=eval", "model=resnet18", *TINY, f"checkpoint={tmp_path / 'run'}")
     assert out.returncode == 2 and ("model: checkpoint 'cifar_resnet', this run 'resnet18'; leave those options out: "
-                                    "evaluation and export take them from the checkpoint") in out.stdout
+                                    "evaluation and export take them from the checkpoint") in out.stderr
 
 
 def test_a_command_line_gives_the_keys_it_names_its_groups_and_what_its_presets_change():

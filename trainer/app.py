@@ -143,6 +143,8 @@ def _take_options(cfg: TrainConfig, path: str, keys, hydra: DictConfig, task, sa
                  " ".join(f"{key}={now} (was {then})" for key, (then, now) in changed.items()))
     # those this configuration reads: a ResNet's checkpoint sets fastnet's model.widths too, without effect
     taken = {key: value for key, value in take_options(cfg, written, keys, named).items() if read_by(cfg, key)}
+    if keys is CHECKPOINT_OPTIONS:  # model=resnet18 given for a fastnet's: refused before the run's folder is made
+        checkpoint.check_model_options(Path(path), meta, checkpoint.identity(cfg))
     if taken and say:
         log.info("as the run that wrote %s: %s", path, " ".join(f"{key}={value}" for key, value in taken.items()))
     # with the run's options: ema_decay without its EMA; and, evaluating, the optimizer's, which only training reads

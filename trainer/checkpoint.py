@@ -92,15 +92,7 @@ def load(path: Path, arena: Arena, meta_now: dict, rank: int = 0, model_only: bo
     if changed or (payload["model_fingerprint"] != model_fingerprint(plan) if model_only
                    else payload["state_fingerprint"] != state_fingerprint(plan)):
         why, options_differ = ("; ".join(changed), True) if changed else _difference(payload, plan, model_only)
-        overrides = run_folder(path) / ".hydra" / "overrides.yaml"  # where Hydra keeps the writer's command line
-        advice = ""
-        if options_differ and ("config" in payload["meta"] or model_only and "options" in payload["meta"]):
-            advice = (f"; leave those options out: {'evaluation and export take' if evaluating else 'a resumed run takes'}"
-                      " them from the checkpoint")
-        elif options_differ:  # written before checkpoints kept their run's options
-            listed = f" ({overrides} lists them)" if overrides.exists() else ""
-            advice = f"; give the options of the run that wrote it{listed}"
-        raise CheckpointError(f"checkpoint {path} does not fit this run: {why}{advice}")
+        raise _unfit(path, payload["meta"], why, options_differ, evaluating)
     try:  # a file of the right layout whose parts are missing, cut short or overwritten: damaged
         _restore(payload, arena, rank, model_only)
     except (KeyError, TypeError) as e:
@@ -109,6 +101,29 @@ def load(path: Path, arena: Arena, meta_now: dict, rank: int = 0, model_only: bo
     except _Damaged as e:
         raise _damaged(path, str(e)) from None
     return payload["meta"]
+
+
+def check_model_options(path: Path, meta: dict, meta_now: dict):
+    """Evaluation's and export's refusal of a checkpoint of another model or AMP mode, by the
+    options it records (`meta`, read): before the run's folder is made, which a refusal in
+    load, once the run has started, left holding only its .hydra/ and run.log."""
+    changed = _changed(meta, meta_now, model_only=True)
+    if changed:
+        raise _unfit(path, meta, "; ".join(changed), True, evaluating=True)
+
+
+def _unfit(path: Path, meta: dict, why: str, options_differ: bool, evaluating: bool) -> CheckpointError:
+    """The refusal of a checkpoint that does not fit this run: `why`, and where it is options
+    of the run (`options_differ`), which to give."""
+    advice = ""
+    if options_differ and ("config" in meta or evaluating and "options" in meta):
+        advice = (f"; leave those options out: {'evaluation and export take' if evaluating else 'a resumed run takes'}"
+                  " them from the checkpoint")
+    elif options_differ:  # written before checkpoints kept their run's options
+        overrides = run_folder(path) / ".hydra" / "overrides.yaml"  # where Hydra keeps the writer's command line
+        listed = f" ({overrides} lists them)" if overrides.exists() else ""
+        advice = f"; give the options of the run that wrote it{listed}"
+    return CheckpointError(f"checkpoint {path} does not fit this run: {why}{advice}")
 
 
 class _Damaged(Exception):
