@@ -37,12 +37,12 @@ def main(cfg):
 if __name__ == "__main__":
     try:
         sys.argv += dist.launch_overrides(sys.argv[1:])  # under torchrun: one run directory for the job
-    except ConfigError as e:  # torchrun's variables, set by hand and wrong
-        print(e, file=sys.stderr)
+    except ConfigError as e:  # torchrun's variables, set by hand and wrong; a sweep under torchrun
+        app.say_refusal(e, e.alike)
         raise SystemExit(2) from None
     refused = refused_override(sys.argv[1:])
-    if refused:  # in one line, before Hydra
-        print(refused, file=sys.stderr)
+    if refused:  # in one line, before Hydra; under torchrun, every rank's command line
+        app.say_refusal(refused, alike=True)
         raise SystemExit(2)
     try:
         main()

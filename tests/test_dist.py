@@ -604,6 +604,30 @@ def test_a_set_up_that_fails_on_one_rank_is_named_on_rank_0(tmp_path):
     assert "missing data.root /nonexistent/cifar" in (tmp_path / "run_rank1.log").read_text()
 
 
+@pytest.mark.parametrize("args, said, logged", [
+    (["trainer.batchsize=8"], "trainer.batchsize: the configuration has no such key", False),  # before Hydra
+    (["-m", "optimizer.lr=0.1,0.2"], "a sweep (-m) does not run under torchrun", False),
+    (["optimizer.lr=-1"], "optimizer.lr=-1.0 must not be negative", False),  # the callback's check of the options
+    (["trainer.batch_size=1000"], "trainer.batch_size=1000 is larger than the 64 training examples per rank", True),
+    (["data=cifar10", "data.root=/nonexistent/cifar"], "missing data.root /nonexistent/cifar", True)],  # set-up
+    ids=["unknown_key", "sweep", "options", "batch_size", "data_root"])
+def test_a_refusal_every_rank_meets_is_said_once(tmp_path, args, said, logged):
+    """Every rank said it: a user with --nproc_per_node=8 read the same line 8 times. Rank 0
+    says it; another rank keeps it in its log file, where it has one by then."""
+    run_dir = tmp_path / "run"
+    out = launch(run_dir, "device=cpu", *args, restarts=0)
+    assert (out.stdout + out.stderr).count(said) == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    if logged:
+        assert said in (run_dir / "run.log").read_text() and said in (run_dir / "run_rank1.log").read_text()
+
+
+def test_a_refusal_of_the_options_that_rank_0_does_not_meet_is_said_by_its_rank(tmp_path):
+    """Rank 1 waits for rank 0 to say a refusal of the options it presumes every rank meets,
+    and, rank 0 not ending the job, says it itself."""
+    out = launch(tmp_path / "run", "device=cpu", env={"TEST_RANK1_ARGS": "optimizer.lr=-1"}, restarts=0)
+    assert (out.stdout + out.stderr).count("optimizer.lr=-1.0 must not be negative") == 1, out.stderr[-3000:]
+
+
 def test_a_rank_that_dies_part_way_is_one_line_on_the_others_with_where_to_go_on(tmp_path):
     """Rank 1 killed in epoch 2: rank 0's collective failed with gloo's "Connection reset by
     peer" in two tracebacks that named neither what happened nor the checkpoint to go on from.

@@ -12,6 +12,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from trainer.config import (CHECKPOINT_OPTIONS, GOING_ON, RUN_OPTIONS, TrainConf
 from trainer.errors import CheckpointError, ConfigError, DataError, PeerError, TrainerError, WriteError
 from trainer.run_dir import (continue_with, find_checkpoint, given, launched, other_run, override, ranks,
                              restart_checkpoint, restarted, resumed_folder, saved, swept, writing)
-from trainer.signals import exit_at_once
+from trainer.signals import STOPPING, exit_at_once
 
 log = logging.getLogger("trainer")
 
@@ -91,7 +92,11 @@ def _configured(dict_cfg: DictConfig, run_dir: Path, hydra: DictConfig, task, sa
         # the file, not its run's folder, where a resumed run writes newer ones: what it read is recorded
         cfg.trainer.resume = str(find_checkpoint(cfg.checkpoint or cfg.trainer.resume))
         _take_options(cfg, cfg.trainer.resume, CHECKPOINT_OPTIONS, hydra, task, say)
-    return validate(cfg)
+    try:
+        return validate(cfg)
+    except ConfigError as e:  # the values of the command line, which torchrun gives every rank
+        e.alike = True
+        raise
 
 
 def _check_options(config: DictConfig):
@@ -232,7 +237,7 @@ def _stops_the_run(callback):
         try:
             return callback(*args, **kwargs)
         except (TrainerError, OmegaConfBaseException) as e:
-            print(_unresolved(e) if isinstance(e, OmegaConfBaseException) else e, file=sys.stderr)
+            say_refusal(_unresolved(e) if isinstance(e, OmegaConfBaseException) else e, getattr(e, "alike", False))
             raise SystemExit(2)
         except Exception:
             traceback.print_exc()
@@ -745,6 +750,32 @@ def _restarts_left() -> str:
             "stopped), the job goes on from its newest checkpoint by itself") if left > 0 else ""
 
 
+RANK_0_ENDS_S = 30  # the longest another rank waits for rank 0 to meet a refusal it met first
+
+
+def say_refusal(why, alike: bool):
+    """Says refusal `why` on stderr. One that every rank of a torchrun job meets alike
+    (TrainerError.alike) each rank said, and a user with 8 ranks read it 8 times: rank 0
+    says it, and another rank waits for torchrun's agent, which stops every rank once one
+    has ended (rank 0, once it has said it; were this rank to end first, the agent could
+    stop rank 0 before it said it), and ends without a word. Where the agent does not stop
+    it within RANK_0_ENDS_S, rank 0 did not meet the refusal (a node given another command
+    line), and this rank says it."""
+    if alike and not _is_main():
+        for stop in STOPPING:  # the agent's SIGTERM, or Ctrl-C to every rank: rank 0 says why the job ended
+            signal.signal(stop, lambda signum, frame: exit_at_once(signum, say=False))
+        time.sleep(RANK_0_ENDS_S)
+    print(why, file=sys.stderr)
+
+
+class RankZeroSays(logging.Filter):
+    """The console's filter (conf/hydra/job_logging/trainer.yaml): a line that rank 0 says for
+    this rank (say_refusal) is kept in the rank's log file alone."""
+
+    def filter(self, record):
+        return not getattr(record, "rank_0_says", False)
+
+
 _LAST_WORD = threading.Lock()  # rank 0's one line of why the run ended: the main thread's error, or torchrun's SIGTERM
 _SAID: list[str] = []  # that line, once the main thread has said it
 
@@ -801,6 +832,7 @@ def main(dict_cfg: DictConfig):
         cfg = _configured(dict_cfg, run_dir, HydraConfig.get(), HydraConfig.get().overrides.task)
         MODES[cfg.mode](cfg, run_dir)
     except TrainerError as e:
+        others = e.alike and not _is_main()  # rank 0 says it: this rank's log file keeps it, and say() waits
         with _LAST_WORD:  # torchrun's SIGTERM, which a lost peer brings too, then says nothing more
             why = f"{e}{_once_there_is_room(e, dict_cfg, run_dir, HydraConfig.get()) if isinstance(e, WriteError) else ''}"
             # rank 0 writes the checkpoints: another rank may look before the newest is in place
@@ -808,8 +840,10 @@ def main(dict_cfg: DictConfig):
                     and saved(run_dir / "checkpoints"):
                 why += f"; {'once that is mended' if isinstance(e, DataError) else 'to go on'}, " \
                        f"{_to_go_on(run_dir, HydraConfig.get())}{_restarts_left()}"
-            log.error("%s", why)
+            log.error("%s", why, extra={"rank_0_says": others})
             _SAID.append(why)
+        if others:
+            say_refusal(why, alike=True)
         if swept() and not isinstance(e, WriteError):
             return JobFailed(why)  # the sweep goes on to its next job
         # a full disk stops a sweep too: the next job's folder would end in Hydra's traceback

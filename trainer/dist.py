@@ -71,7 +71,7 @@ class Dist:
             raise PlanError(f"the ranks built different plans: the {what} of rank 0 is {values[0]}, but "
                             + ", ".join(f"rank {r} has {values[r]}" for r in differ)
                             + ". Launch every rank with the same configuration and code (model, optimizer, "
-                              "amp, batch size, data sizes, dist.* settings).")
+                              "amp, batch size, data sizes, dist.* settings).", alike=True)
 
     def average_bn(self, ops):
         """BN_STATS_ALLREDUCE: B_PREV = the mean over ranks of B_NEXT (of B_PREV, the
@@ -89,19 +89,25 @@ class Dist:
         """After a part of the run in which one rank may fail alone (a damaged image in its
         share of the evaluation set): every rank learns which failed, and every rank raises,
         a failed one its own error, so that all take the same way out (a checkpoint's save,
-        which is collective) where the others would wait for it in the next collective."""
-        failed = [self.rank] if error is not None else []
+        which is collective) where the others would wait for it in the next collective. Each
+        rank's flag is a digest of its error: one that rank 0 met too (a batch size too large
+        for every rank's share, a data set missing everywhere) is marked alike, and rank 0
+        alone says it, as it says the others' PeerError; another rank's own error is said by
+        that rank too."""
+        digests = [_digest(error)]  # of a single process, rank 0
         if self.comm is not None:
-            flags = torch.zeros(self.world, dtype=torch.int32, device=self._device())
-            flags[self.rank] = error is not None
-            self.comm.sum_(flags)
-            failed = flags.nonzero().flatten().tolist()
+            every = torch.zeros(self.world, dtype=torch.int64, device=self._device())
+            every[self.rank] = digests[0]
+            self.comm.sum_(every)
+            digests = every.tolist()
+        failed = [r for r, digest in enumerate(digests) if digest]
         if error is not None:
+            error.alike = digests[self.rank] == digests[0]
             raise error
         if failed:
             logs = ", ".join("run.log" if r == 0 else f"run_rank{r}.log" for r in failed)
             raise PeerError(f"the {what} failed on rank {', '.join(map(str, failed))}: {logs} in the run's folder "
-                               "says why")
+                            "says why", alike=True)
 
     def gather_per_rank(self, arena: Arena) -> dict:
         """Every rank's bytes, rank after rank, of the regions that differ between ranks: the
@@ -122,6 +128,13 @@ class Dist:
 
     def _device(self) -> torch.device:
         return torch.device("cpu") if self.comm.stream is None else torch.device("cuda", self.local_rank)
+
+
+def _digest(error: Exception | None) -> int:
+    """0 for none, else a positive int64 that differs between errors of another type or message."""
+    if error is None:
+        return 0
+    return int.from_bytes(hashlib.sha256(f"{type(error).__name__}: {error}".encode()).digest()[:7], "big") | 1
 
 
 def from_env() -> Dist:
@@ -212,7 +225,7 @@ def launch_overrides(argv: list[str], env=os.environ) -> list[str]:
         return []
     if {"-m", "--multirun"} & set(argv):  # each rank swept on its own, and the second job set up NCCL again
         raise ConfigError("a sweep (-m) does not run under torchrun, whose job is one run: start a torchrun job for "
-                          "each of the sweep's runs, or sweep with one process")
+                          "each of the sweep's runs, or sweep with one process", alike=True)
     out, args = [], given(argv)
     if "hydra.run.dir" not in args:
         resume = os.path.expanduser(args.get("trainer.resume", "").strip("'\""))  # as Hydra and the config read it
