@@ -750,7 +750,8 @@ def _restarts_left() -> str:
             "stopped), the job goes on from its newest checkpoint by itself") if left > 0 else ""
 
 
-RANK_0_ENDS_S = 30  # the longest another rank waits for rank 0 to meet a refusal it met first
+RANK_0_ENDS_S = 10  # the longest another rank waits for rank 0 to meet a refusal it met first (the agent
+# checks its workers every 0.1 s)
 
 
 def say_refusal(why, alike: bool):

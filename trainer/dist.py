@@ -134,7 +134,8 @@ def _digest(error: Exception | None) -> int:
     """0 for none, else a positive int64 that differs between errors of another type or message."""
     if error is None:
         return 0
-    return int.from_bytes(hashlib.sha256(f"{type(error).__name__}: {error}".encode()).digest()[:7], "big") | 1
+    said = f"{type(error).__name__}: {error}".encode(errors="surrogateescape")  # a file name that is not UTF-8
+    return int.from_bytes(hashlib.sha256(said).digest()[:7], "big") | 1
 
 
 def from_env() -> Dist:
