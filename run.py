@@ -37,7 +37,7 @@ def main(cfg):
 if __name__ == "__main__":
     try:
         sys.argv += dist.launch_overrides(sys.argv[1:])  # under torchrun: one run directory for the job
-    except ConfigError as e:  # torchrun's variables, set by hand and wrong; a sweep under torchrun
+    except ConfigError as e:  # torchrun's variables, set by hand and wrong; a sweep or an export under torchrun
         app.say_refusal(e, e.alike)
         raise SystemExit(2) from None
     refused = refused_override(sys.argv[1:])

@@ -80,7 +80,7 @@ def test_torchrun_ranks_share_one_run_directory_and_rank_0_its_log():
     named = dist.launch_overrides([], static)
     assert named == dist.launch_overrides([], {**static, "RANK": "1"})[:1]  # the same for every rank and restart
     assert str(os.getppid()) in named[0]
-    with pytest.raises(SystemExit, match="rdzv_id"):
+    with pytest.raises(ConfigError, match="rdzv_id"):
         dist.launch_overrides([], {**static, "WORLD_SIZE": "16"})
 
 
@@ -418,16 +418,16 @@ def records(run_dir: Path) -> tuple[dict, list]:
     return {r["step"]: r["loss"] for r in rows if "step" in r}, [r for r in rows if "train_loss" in r]
 
 
-def launch_nodes(cwd: Path, *args, job: str = "nodes7", gpus: bool = False, restarts: int = 0,
-                 env: dict | None = None) -> list[str]:
-    """This file as the trainer script on two nodes of one process each: two torchrun
+def launch_nodes(cwd: Path, *args, job: str | None = "nodes7", gpus: bool = False, restarts: int = 0,
+                 env: dict | None = None, per_node: int = 1, succeeds: bool = True) -> list[str]:
+    """This file as the trainer script on two nodes of `per_node` processes each: two torchrun
     agents on this host that meet through a c10d rendezvous, as the nodes of a multi-node
     job do (`gpus`: each node sees one GPU of its own, its device 0). No hydra.run.dir: the
-    nodes agree on the job's directory through its --rdzv_id, cwd/outputs/torchrun/<job>.
-    Returns each node's output, its agent's log with it."""
-    head = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+    nodes agree on the job's directory through its --rdzv_id (`job`; None: not given),
+    cwd/outputs/torchrun/<job>. Returns each node's output, its agent's log with it."""
+    head = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--nproc_per_node={per_node}",
             f"--max-restarts={restarts}", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
-            f"--rdzv_id={job}"]
+            *([f"--rdzv_id={job}"] if job else [])]
     # one thread a process, as torchrun gives each of several processes on one node: the
     # nodes then sum in the one-node job's order
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
@@ -435,7 +435,7 @@ def launch_nodes(cwd: Path, *args, job: str = "nodes7", gpus: bool = False, rest
                               env={**env, "CUDA_VISIBLE_DEVICES": str(node)} if gpus else env,
                               stderr=subprocess.STDOUT) for node in range(2)]
     outs = [node.communicate(timeout=300)[0] for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], "\n".join(out[-3000:] for out in outs)
+    assert [node.returncode == 0 for node in nodes] == [succeeds] * 2, "\n".join(out[-3000:] for out in outs)
     return outs
 
 
@@ -607,8 +607,11 @@ def test_a_set_up_that_fails_on_one_rank_is_named_on_rank_0(tmp_path):
 @pytest.mark.parametrize("args, said, logged", [
     (["trainer.batchsize=8"], "trainer.batchsize: the configuration has no such key", False),  # before Hydra
     (["optimizer.lr=-1"], "optimizer.lr=-1.0 must not be negative", False),  # the callback's check of the options
-    (["trainer.batch_size=1000"], "trainer.batch_size=1000 is larger than the 64 training examples per rank", True)],
-    ids=["unknown_key", "options", "set_up"])
+    (["trainer.batch_size=1000"], "trainer.batch_size=1000 is larger than the 64 training examples per rank", True),
+    (["mode=plan", "trainer.batch_size=1000"], "trainer.batch_size=1000 is larger than the 64 training examples per "
+     "rank", True),  # no process group: each rank plans on its own
+    (["mode=export", "checkpoint=missing.pt"], "mode=export copies a checkpoint's weights out in one process", False)],
+    ids=["unknown_key", "options", "set_up", "plan", "export"])
 def test_a_refusal_every_rank_meets_is_said_once(tmp_path, args, said, logged):
     """Every rank said it: a user with --nproc_per_node=8 read the same line 8 times. Rank 0
     says it; another rank keeps it in its log file, where it has one by then."""
@@ -617,6 +620,14 @@ def test_a_refusal_every_rank_meets_is_said_once(tmp_path, args, said, logged):
     assert (out.stdout + out.stderr).count(said) == 1, out.stdout[-3000:] + out.stderr[-3000:]
     if logged:
         assert said in (run_dir / "run.log").read_text() and said in (run_dir / "run_rank1.log").read_text()
+
+
+def test_a_multi_node_job_without_its_id_is_refused_once_on_each_node(tmp_path):
+    """Every rank raised SystemExit, and each node printed it once a process. The nodes
+    cannot meet before the process group: each node's first rank says it."""
+    outs = launch_nodes(tmp_path, "device=cpu", job=None, per_node=2, succeeds=False)
+    for out in outs:
+        assert out.count("a multi-node torchrun job needs --rdzv_id=JOB_ID") == 1, out[-3000:]
 
 
 def test_a_refusal_of_the_options_that_rank_0_does_not_meet_is_said_by_its_rank(tmp_path):

@@ -576,6 +576,11 @@ def _is_main() -> bool:
     return ranks()[0] == 0
 
 
+def _says_for_its_node() -> bool:
+    """The first rank of its node (LOCAL_RANK 0), which says a refusal every rank meets (say_refusal)."""
+    return ranks()[2] == 0
+
+
 def _refuse_another_runs(folder: Path, config: DictConfig):
     """A training run continues only its own run in a folder; the other modes write their
     own results and .hydra/ and so keep out of a folder with another run's."""
@@ -761,8 +766,9 @@ def say_refusal(why, alike: bool):
     has ended (rank 0, once it has said it; were this rank to end first, the agent could
     stop rank 0 before it said it), and ends without a word. Where the agent does not stop
     it within RANK_0_ENDS_S, rank 0 did not meet the refusal (a node given another command
-    line), and this rank says it."""
-    if alike and not _is_main():
+    line), and this rank says it. Each node's agent stops its own ranks alone: on each node
+    its first rank (LOCAL_RANK 0; rank 0 on the first) says it, on that node's console."""
+    if alike and not _says_for_its_node():
         for stop in STOPPING:  # the agent's SIGTERM, or Ctrl-C to every rank: rank 0 says why the job ended
             signal.signal(stop, lambda signum, frame: exit_at_once(signum, say=False))
         time.sleep(RANK_0_ENDS_S)
@@ -833,7 +839,10 @@ def main(dict_cfg: DictConfig):
         cfg = _configured(dict_cfg, run_dir, HydraConfig.get(), HydraConfig.get().overrides.task)
         MODES[cfg.mode](cfg, run_dir)
     except TrainerError as e:
-        others = e.alike and not _is_main()  # rank 0 says it: this rank's log file keeps it, and say() waits
+        # plan and bench start no process group, whose raise_failures would tell the ranks' errors apart: each rank
+        # runs the same command alone, and say_refusal has a rank say one that the first did not meet
+        e.alike = e.alike or dict_cfg.mode in ("plan", "bench")
+        others = e.alike and not _says_for_its_node()  # its node's first rank says it: this rank's log keeps it
         with _LAST_WORD:  # torchrun's SIGTERM, which a lost peer brings too, then says nothing more
             why = f"{e}{_once_there_is_room(e, dict_cfg, run_dir, HydraConfig.get()) if isinstance(e, WriteError) else ''}"
             # rank 0 writes the checkpoints: another rank may look before the newest is in place

@@ -228,6 +228,9 @@ def launch_overrides(argv: list[str], env=os.environ) -> list[str]:
         raise ConfigError("a sweep (-m) does not run under torchrun, whose job is one run: start a torchrun job for "
                           "each of the sweep's runs, or sweep with one process", alike=True)
     out, args = [], given(argv)
+    if args.get("mode") == "export" and ranks(env)[1] > 1:  # each rank read the checkpoint, and rank 0 wrote it out
+        raise ConfigError("mode=export copies a checkpoint's weights out in one process, whatever number of ranks "
+                          "wrote it: run it without torchrun (python run.py mode=export ...)", alike=True)
     if "hydra.run.dir" not in args:
         resume = os.path.expanduser(args.get("trainer.resume", "").strip("'\""))  # as Hydra and the config read it
         folder = resumed_folder(resume) if resume else None
@@ -246,8 +249,8 @@ def job_id(env=os.environ) -> str:
     if run_id not in ("", "none"):
         return run_id
     if env["WORLD_SIZE"] != env.get("LOCAL_WORLD_SIZE"):
-        raise SystemExit("a multi-node torchrun job needs --rdzv_id=JOB_ID (or hydra.run.dir=DIR on a shared "
-                         "filesystem), so that every node writes to and resumes from one run directory")
+        raise ConfigError("a multi-node torchrun job needs --rdzv_id=JOB_ID (or hydra.run.dir=DIR on a shared "
+                          "filesystem), so that every node writes to and resumes from one run directory", alike=True)
     return _agent_started()
 
 

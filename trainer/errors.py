@@ -4,7 +4,7 @@
 class TrainerError(Exception):
     """Base of the errors whose message tells the user what is wrong and what to do.
     `alike`: every rank of a torchrun job meets it alike (a value of the command line, which
-    each is given), so that rank 0 alone says it (app.say_refusal)."""
+    each is given), so that rank 0 alone says it (on each node, its first rank: app.say_refusal)."""
 
     def __init__(self, message: str, alike: bool = False):
         super().__init__(message)
