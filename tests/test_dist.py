@@ -606,12 +606,12 @@ def test_a_set_up_that_fails_on_one_rank_is_named_on_rank_0(tmp_path):
 
 @pytest.mark.parametrize("args, said, logged", [
     (["trainer.batchsize=8"], "trainer.batchsize: the configuration has no such key", False),  # before Hydra
-    (["optimizer.lr=-1"], "optimizer.lr=-1.0 must not be negative", False),  # the callback's check of the options
+    (["mode=eval", "checkpoint=missing.pt"], "no checkpoint at", False),  # the callback's checks
     (["trainer.batch_size=1000"], "trainer.batch_size=1000 is larger than the 64 training examples per rank", True),
     (["mode=plan", "trainer.batch_size=1000"], "trainer.batch_size=1000 is larger than the 64 training examples per "
      "rank", True),  # no process group: each rank plans on its own
     (["mode=export", "checkpoint=missing.pt"], "mode=export copies a checkpoint's weights out in one process", False)],
-    ids=["unknown_key", "options", "set_up", "plan", "export"])
+    ids=["unknown_key", "callback", "set_up", "plan", "export"])
 def test_a_refusal_every_rank_meets_is_said_once(tmp_path, args, said, logged):
     """Every rank said it: a user with --nproc_per_node=8 read the same line 8 times. Rank 0
     says it; another rank keeps it in its log file, where it has one by then."""

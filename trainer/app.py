@@ -92,11 +92,7 @@ def _configured(dict_cfg: DictConfig, run_dir: Path, hydra: DictConfig, task, sa
         # the file, not its run's folder, where a resumed run writes newer ones: what it read is recorded
         cfg.trainer.resume = str(find_checkpoint(cfg.checkpoint or cfg.trainer.resume))
         _take_options(cfg, cfg.trainer.resume, CHECKPOINT_OPTIONS, hydra, task, say)
-    try:
-        return validate(cfg)
-    except ConfigError as e:  # the values of the command line, which torchrun gives every rank
-        e.alike = True
-        raise
+    return validate(cfg)
 
 
 def _check_options(config: DictConfig):
@@ -237,7 +233,9 @@ def _stops_the_run(callback):
         try:
             return callback(*args, **kwargs)
         except (TrainerError, OmegaConfBaseException) as e:
-            say_refusal(_unresolved(e) if isinstance(e, OmegaConfBaseException) else e, getattr(e, "alike", False))
+            # they check the command line (its values, the checkpoint it names) and the folder, which every rank of
+            # a torchrun job meets alike; one that rank 0 did not meet, its rank says after waiting for it
+            say_refusal(_unresolved(e) if isinstance(e, OmegaConfBaseException) else e, alike=True)
             raise SystemExit(2)
         except Exception:
             traceback.print_exc()
