@@ -801,6 +801,28 @@ def test_an_evaluation_or_export_given_another_model_is_refused_before_its_folde
         assert not (tmp_path / mode).exists()
 
 
+def test_a_model_option_that_changes_the_checkpoints_tensors_is_refused_by_name_before_its_folder_is_made(tmp_path):
+    """model.depth=32 given to evaluate, export or resume a ResNet-20's checkpoint was refused
+    once the run had started, naming a region ("B_PREV_MEAN holds different tensors"), not
+    the option; options that change no tensor (model.cudnn_benchmark) are the command's."""
+    assert run(tmp_path / "run", *TINY, "model=cifar_resnet20", "trainer.epochs=1").returncode == 0
+    path = tmp_path / "run" / "checkpoints" / "epoch_0001.pt"
+    for mode, given, said, advice in (
+            ("eval", ["model.depth=32"], "model.depth: checkpoint 20, this run 32", "evaluation and export take"),
+            ("export", ["model.width=8", "model.cudnn_benchmark=false"], "model.width: checkpoint 16, this run 8",
+             "evaluation and export take"),
+            ("train", ["trainer.epochs=2", "model.depth=32", "model.width=8"],
+             "model.depth: checkpoint 20, this run 32; model.width: checkpoint 16, this run 8", "a resumed run takes")):
+        read = f"{'trainer.resume' if mode == 'train' else 'checkpoint'}={tmp_path / 'run'}"
+        out = run(tmp_path / mode, f"mode={mode}", read, *given)
+        assert out.returncode == 2 and out.stderr == (f"checkpoint {path} does not fit this run: {said}; leave those "
+                                                      f"options out: {advice} them from the checkpoint\n"), out.stderr
+        assert not (tmp_path / mode).exists()
+    out = run(tmp_path / "eval", "mode=eval", f"checkpoint={tmp_path / 'run'}", "model.cudnn_benchmark=false",
+              "model.pack_relu_masks=false")
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
 def test_the_optimizer_chosen_for_mode_bench_is_said_to_have_no_effect(tmp_path):
     """mode=bench times the optimizers bench.optimizers lists: optimizer=lars timed momentum
     without a word."""

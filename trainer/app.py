@@ -79,10 +79,11 @@ def _configured(dict_cfg: DictConfig, run_dir: Path, hydra: DictConfig, task, sa
         cfg = expand_paths(OmegaConf.to_object(dict_cfg))
     except OmegaConfBaseException as e:
         raise _unresolved(e) from None
+    meta, changed = {}, {}  # of the checkpoint read: its meta, and the options given otherwise than its run's
     if cfg.mode == "train":
         cfg.trainer.resume = restart_checkpoint(run_dir) or _sweep_checkpoint(run_dir, hydra) or cfg.trainer.resume
         if cfg.trainer.resume:
-            _take_options(cfg, cfg.trainer.resume, RUN_OPTIONS, hydra, task, say)
+            meta, changed = _take_options(cfg, cfg.trainer.resume, RUN_OPTIONS, hydra, task, say)
     elif cfg.mode in ("eval", "export"):
         if not (cfg.checkpoint or cfg.trainer.resume):
             raise CheckpointError(f"mode={cfg.mode} needs checkpoint=PATH (a checkpoint file or a run directory)")
@@ -91,8 +92,12 @@ def _configured(dict_cfg: DictConfig, run_dir: Path, hydra: DictConfig, task, sa
                               f"checkpoints, and mode={cfg.mode} reads one: give checkpoint= alone")
         # the file, not its run's folder, where a resumed run writes newer ones: what it read is recorded
         cfg.trainer.resume = str(find_checkpoint(cfg.checkpoint or cfg.trainer.resume))
-        _take_options(cfg, cfg.trainer.resume, CHECKPOINT_OPTIONS, hydra, task, say)
-    return validate(cfg)
+        meta, changed = _take_options(cfg, cfg.trainer.resume, CHECKPOINT_OPTIONS, hydra, task, say)
+    validate(cfg)
+    if changed:  # once validated: a model of a depth validate refuses would fail to build, in torch's words
+        from trainer import checkpoint
+        checkpoint.check_model_tensors(Path(cfg.trainer.resume), meta, cfg, changed, evaluating=cfg.mode != "train")
+    return cfg
 
 
 def _check_options(config: DictConfig):
@@ -123,9 +128,10 @@ def _unresolved(e: OmegaConfBaseException) -> ConfigError:
     return ConfigError(f"{e.full_key + ': ' if e.full_key else ''}{first_line(e)}")
 
 
-def _take_options(cfg: TrainConfig, path: str, keys, hydra: DictConfig, task, say: bool):
+def _take_options(cfg: TrainConfig, path: str, keys, hydra: DictConfig, task, say: bool) -> tuple[dict, dict]:
     """cfg takes those `keys` of the options of the run that wrote the checkpoint at `path`
-    that its command line (the overrides `task`) does not give."""
+    that its command line (the overrides `task`) does not give; returns the checkpoint's meta
+    and those it gives otherwise, that cfg reads: (the checkpoint's value, cfg's) by key."""
     from trainer import checkpoint
     meta = checkpoint.read(Path(path))["meta"]
     written = recorded(meta.get("config", meta.get("options", {})))  # "options": the model's alone, in older ones
@@ -138,12 +144,13 @@ def _take_options(cfg: TrainConfig, path: str, keys, hydra: DictConfig, task, sa
         del defaults["hydra"]
     choices = given(task)
     named = given_options(cfg, {*choices, *chosen_keys(choices)}, expand_paths(OmegaConf.to_object(defaults)))
+    # those this configuration reads: a ResNet's checkpoint sets fastnet's model.widths too, without effect
+    taken = {key: value for key, value in take_options(cfg, written, keys, named).items() if read_by(cfg, key)}
+    # read by the model taken: model.depth given for a cifar_resnet's checkpoint, with the defaults' fastnet before
     changed = {key: values for key, values in given_changes(cfg, written, keys, named).items() if read_by(cfg, key)}
     if changed and say:
         log.info("this command changes the options of the run that wrote %s: %s", path,
                  " ".join(f"{key}={now} (was {then})" for key, (then, now) in changed.items()))
-    # those this configuration reads: a ResNet's checkpoint sets fastnet's model.widths too, without effect
-    taken = {key: value for key, value in take_options(cfg, written, keys, named).items() if read_by(cfg, key)}
     if keys is CHECKPOINT_OPTIONS:  # model=resnet18 given for a fastnet's: refused before the run's folder is made
         checkpoint.check_model_options(Path(path), meta, checkpoint.identity(cfg))
     if taken and say:
@@ -151,6 +158,7 @@ def _take_options(cfg: TrainConfig, path: str, keys, hydra: DictConfig, task, sa
     # with the run's options: ema_decay without its EMA; and, evaluating, the optimizer's, which only training reads
     for why in [*unread_by_mode(cfg, choices), *ignored(cfg, named)] if say and _is_main() else ():
         log.warning("%s", why)
+    return meta, changed
 
 
 def run_eval(cfg: TrainConfig, run_dir: Path):

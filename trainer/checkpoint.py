@@ -7,6 +7,7 @@ or region differs. Each part's bytes carry a
 CRC-32, and the records beside them (the run's options, the tensors' offsets) the zip's,
 so that a file damaged where its layout still reads is refused, not restored.
 """
+import dataclasses
 import hashlib
 import json
 import zipfile
@@ -110,6 +111,28 @@ def check_model_options(path: Path, meta: dict, meta_now: dict):
     changed = _changed(meta, meta_now, model_only=True)
     if changed:
         raise _unfit(path, meta, "; ".join(changed), True, evaluating=True)
+
+
+def check_model_tensors(path: Path, meta: dict, cfg, given: dict[str, tuple], evaluating: bool):
+    """The refusal, before the run's folder is made, of the model options a command line gives
+    (`given`: the checkpoint's value and this run's, by key) that give the model other tensors
+    than the checkpoint's, which load refused naming a region alone: each tried on its own on
+    the checkpoint's model, built on the meta device (shapes alone). Those that change no
+    tensor (model.cudnn_benchmark, a fastnet's logit_scale) the command may give."""
+    written = {key.removeprefix("model."): then for key, (then, _) in given.items() if key.startswith("model.")}
+    if not written:
+        return
+    from trainer.setup import make_model  # the data flow's set-up, which the run imports anyway
+
+    def tensors(**options) -> list:
+        with torch.device("meta"):
+            model = make_model(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **{**written, **options})))
+        return [(name, t.shape) for name, t in model.state_dict().items()]
+    checkpoints = tensors()
+    why = [f"{key}: checkpoint {then!r}, this run {now!r}" for key, (then, now) in given.items()
+           if key.removeprefix("model.") in written and tensors(**{key.removeprefix("model."): now}) != checkpoints]
+    if why:
+        raise _unfit(find_checkpoint(path), meta, "; ".join(why), True, evaluating)
 
 
 def _unfit(path: Path, meta: dict, why: str, options_differ: bool, evaluating: bool) -> CheckpointError:
