@@ -804,7 +804,8 @@ def test_an_evaluation_or_export_given_another_model_is_refused_before_its_folde
 def test_a_model_option_that_changes_the_checkpoints_tensors_is_refused_by_name_before_its_folder_is_made(tmp_path):
     """model.depth=32 given to evaluate, export or resume a ResNet-20's checkpoint was refused
     once the run had started, naming a region ("B_PREV_MEAN holds different tensors"), not
-    the option; options that change no tensor (model.cudnn_benchmark) are the command's."""
+    the option; options that change no tensor (model.cudnn_benchmark) are the command's.
+    model=resnet18 with a model.depth it does not read was refused for that depth (not 6n+2)."""
     assert run(tmp_path / "run", *TINY, "model=cifar_resnet20", "trainer.epochs=1").returncode == 0
     path = tmp_path / "run" / "checkpoints" / "epoch_0001.pt"
     for mode, given, said, advice in (
@@ -812,7 +813,10 @@ def test_a_model_option_that_changes_the_checkpoints_tensors_is_refused_by_name_
             ("export", ["model.width=8", "model.cudnn_benchmark=false"], "model.width: checkpoint 16, this run 8",
              "evaluation and export take"),
             ("train", ["trainer.epochs=2", "model.depth=32", "model.width=8"],
-             "model.depth: checkpoint 20, this run 32; model.width: checkpoint 16, this run 8", "a resumed run takes")):
+             "model.depth: checkpoint 20, this run 32; model.width: checkpoint 16, this run 8", "a resumed run takes"),
+            # the checkpoint's model built with its own depth, not one this run's model does not read
+            ("train", ["trainer.epochs=2", "model=resnet18", "model.depth=21"],
+             "model.name: checkpoint 'cifar_resnet', this run 'resnet18'", "a resumed run takes")):
         read = f"{'trainer.resume' if mode == 'train' else 'checkpoint'}={tmp_path / 'run'}"
         out = run(tmp_path / mode, f"mode={mode}", read, *given)
         assert out.returncode == 2 and out.stderr == (f"checkpoint {path} does not fit this run: {said}; leave those "

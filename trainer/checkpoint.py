@@ -119,9 +119,12 @@ def check_model_tensors(path: Path, meta: dict, cfg, given: dict[str, tuple], ev
     than the checkpoint's, which load refused naming a region alone: each tried on its own on
     the checkpoint's model, built on the meta device (shapes alone). Those that change no
     tensor (model.cudnn_benchmark, a fastnet's logit_scale) the command may give."""
-    written = {key.removeprefix("model."): then for key, (then, _) in given.items() if key.startswith("model.")}
-    if not written:
+    if not any(key.startswith("model.") for key in given):
         return
+    # the checkpoint's model as its run built it, of all its model options: one this run's model does not read
+    # (model.depth=21 given with model=resnet18 for a ResNet-20's) would not build it
+    recorded = meta.get("config", meta.get("options", {}))
+    written = {f.name: recorded.get(f"model.{f.name}", getattr(cfg.model, f.name)) for f in dataclasses.fields(cfg.model)}
     from trainer.setup import make_model  # the data flow's set-up, which the run imports anyway
 
     def tensors(**options) -> list:
@@ -130,7 +133,7 @@ def check_model_tensors(path: Path, meta: dict, cfg, given: dict[str, tuple], ev
         return [(name, t.shape) for name, t in model.state_dict().items()]
     checkpoints = tensors()
     why = [f"{key}: checkpoint {then!r}, this run {now!r}" for key, (then, now) in given.items()
-           if key.removeprefix("model.") in written and tensors(**{key.removeprefix("model."): now}) != checkpoints]
+           if key.startswith("model.") and tensors(**{key.removeprefix("model."): now}) != checkpoints]
     if why:
         raise _unfit(find_checkpoint(path), meta, "; ".join(why), True, evaluating)
 
