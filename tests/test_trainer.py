@@ -785,6 +785,8 @@ def test_an_evaluation_given_two_checkpoints_is_refused(tmp_path):
                                                   "name two checkpoints, and mode=eval reads one: give checkpoint= "
                                                   "alone\n"), out.stderr
     assert sorted(tmp_path.rglob("*")) == before
+    newest = tmp_path / "run" / "checkpoints" / "epoch_0001.pt"  # the run's folder and its newest file: one
+    assert run(tmp_path / "eval", "mode=eval", f"checkpoint={tmp_path / 'run'}", f"trainer.resume={newest}").returncode == 0
 
 
 def test_an_evaluation_or_export_given_another_model_is_refused_before_its_folder_is_made(tmp_path):

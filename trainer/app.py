@@ -87,7 +87,7 @@ def _configured(dict_cfg: DictConfig, run_dir: Path, hydra: DictConfig, task, sa
     elif cfg.mode in ("eval", "export"):
         if not (cfg.checkpoint or cfg.trainer.resume):
             raise CheckpointError(f"mode={cfg.mode} needs checkpoint=PATH (a checkpoint file or a run directory)")
-        if cfg.checkpoint and cfg.trainer.resume and cfg.checkpoint != cfg.trainer.resume:  # the second went unread, unsaid
+        if cfg.checkpoint and cfg.trainer.resume and not _one_checkpoint(cfg.checkpoint, cfg.trainer.resume):
             raise ConfigError(f"checkpoint={cfg.checkpoint} and trainer.resume={cfg.trainer.resume} name two "
                               f"checkpoints, and mode={cfg.mode} reads one: give checkpoint= alone")
         # the file, not its run's folder, where a resumed run writes newer ones: what it read is recorded
@@ -98,6 +98,15 @@ def _configured(dict_cfg: DictConfig, run_dir: Path, hydra: DictConfig, task, sa
         from trainer import checkpoint
         checkpoint.check_model_tensors(Path(cfg.trainer.resume), meta, cfg, changed, evaluating=cfg.mode != "train")
     return cfg
+
+
+def _one_checkpoint(a: str, b: str) -> bool:
+    """Whether paths a and b name one checkpoint (a run's folder and its newest file): where
+    checkpoint= and trainer.resume= named two, the second went unread, without a word."""
+    try:
+        return find_checkpoint(a).resolve() == find_checkpoint(b).resolve()
+    except CheckpointError:
+        return False
 
 
 def _check_options(config: DictConfig):
