@@ -274,6 +274,18 @@ def test_a_link_to_an_image_that_is_not_there_is_named(tree):
         dataset_sizes(config(tree).data)
 
 
+def test_a_link_to_a_class_folder_that_is_not_there_is_named(tree):
+    """It was left out without a word, in every split: the run trained on fewer classes
+    than the folders show, or its message asked for data.num_classes of those fewer."""
+    for split in ("train", "val"):
+        (tree / split / "peach").symlink_to(tree / "gone", target_is_directory=True)
+    with pytest.raises(DataError, match=f"^{tree / 'train' / 'peach'} is a link to a class folder that is not there: "
+                                        "restore its target, or remove the link$"):
+        build_sources(config(tree), CPU, 0, 1, None)
+    with pytest.raises(DataError, match=f"^{tree / 'val' / 'peach'} is a link to a class folder"):
+        build_sources(config(tree), CPU, 0, 1, None, read_train=False)
+
+
 def test_empty_class_folder(tree):
     for f in (tree / "val" / "mango").iterdir():
         f.unlink()

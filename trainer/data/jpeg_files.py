@@ -61,7 +61,13 @@ def find_split(root: Path, names: tuple[str, ...]) -> Path:
 def class_folders(folder: Path) -> list[str]:
     """The class names: the sorted names of `folder`'s folders but hidden ones."""
     with looking_into_folders():
-        return sorted(e.name for e in os.scandir(folder) if e.is_dir() and not hidden(e.name))
+        entries = [e for e in os.scandir(folder) if not hidden(e.name)]
+        broken = sorted(e.name for e in entries if e.is_symlink() and not e.is_dir() and not e.is_file())
+        if broken:  # left out without a word, the run trained on fewer classes than the folder shows
+            raise DataError(f"{printable(folder / broken[0])} is a link to a class folder that is not there"
+                            f"{f' (and {len(broken) - 1} more in {printable(folder)})' if broken[1:] else ''}: "
+                            "restore its target, or remove the link")
+        return sorted(e.name for e in entries if e.is_dir())
 
 
 _listed: dict[Path, tuple[tuple, list[str], np.ndarray]] = {}  # folder -> (its folders' times, files, labels)
