@@ -1344,10 +1344,14 @@ def test_a_sweep_whose_late_job_its_set_up_would_refuse_runs_no_job(tmp_path, mo
     (["hydra.run.dir=run", "schedule.milestones=1,2"], "schedule.milestones=1,2 sweeps over values, which only a sweep "
                                                       "runs: add -m (--multirun) for a job each, or give a list in "
                                                       "brackets: schedule.milestones='[...]'\n"),
+    (["hydra.run.dir=run", "data=imagefolder", "data.root=/data/set,v2"],
+     "data.root=/data/set,v2 sweeps over values, which only a sweep runs: add -m (--multirun) for a job each, or quote "
+     "a path that holds a comma: data.root='/data/set,v2' (inside the shell's own quotes)\n"),
     (["hydra.run.dir=run", "schedule=step", "schedule.milestones=[1,[2]]"],
      "schedule.milestones=[1.0, [2]]: each is a number of epochs\n"),
 ], ids=["a sweep's misspelled option", "a sweep's job Hydra refuses", "resume", "eval", "empty run folder",
-        "a value the checks refuse", "a sweep without -m", "a list's sweep without -m", "a list in a list"])
+        "a value the checks refuse", "a sweep without -m", "a list's sweep without -m", "a path with a comma",
+        "a list in a list"])
 def test_a_command_that_cannot_start_says_why_and_leaves_no_folder(tmp_path, args, said):
     """Before Hydra makes the run's folder (an empty run folder is the current one) or writes
     a sweep's multirun.yaml, and without a warning from Hydra's callback machinery."""

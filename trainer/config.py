@@ -547,8 +547,13 @@ def refused_override(overrides: list[str]) -> str | None:
                 or key.startswith("compile_options."):
             continue
         if override.is_sweep_override() and not multirun:  # Hydra's "Ambiguous value", in six lines
+            value = text.partition("=")[2]
+            quote = '"' if "'" in value else "'"
             return (f"{text} sweeps over values, which only a sweep runs: add -m (--multirun) for a job each"
-                    + (f", or give a list in brackets: {key}='[...]'" if isinstance(defaults.get(key), list) else ""))
+                    + (f", or give a list in brackets: {key}='[...]'" if isinstance(defaults.get(key), list) else "")
+                    # a folder's name may hold a comma (/data/set,v2): quoted, it is one value
+                    + (f", or quote a path that holds a comma: {key}={quote}{value}{quote} (inside the shell's own "
+                       "quotes)" if key in PATHS else ""))
         try:
             values = list(override.sweep_iterator()) if override.is_sweep_override() else [override.value()]
         except HydraException:  # an interval, or a glob over a group's options: Hydra's sweeper reads them
