@@ -286,6 +286,16 @@ def test_a_link_to_a_class_folder_that_is_not_there_is_named(tree):
         build_sources(config(tree), CPU, 0, 1, None, read_train=False)
 
 
+@pytest.mark.parametrize("suffix", [".webp", ".BMP", ".tiff"])
+def test_an_image_of_another_kind_is_named(tree, suffix):
+    """Images torchvision's ImageFolder reads, but not this reader, were left out without a
+    word: the run trained on fewer images than the folder shows."""
+    Image.new("RGB", (48, 40), COLORS["apple"]).save(tree / "train" / "apple" / f"9{suffix}")
+    with pytest.raises(DataError, match=f"^{tree / 'train' / 'apple' / f'9{suffix}'}: only .jpg/.jpeg/.png images are "
+                                        "read; convert it to JPEG or PNG, or move it out of the data set$"):
+        build_sources(config(tree), CPU, 0, 1, None)
+
+
 def test_empty_class_folder(tree):
     for f in (tree / "val" / "mango").iterdir():
         f.unlink()

@@ -12,6 +12,8 @@ import numpy as np
 from trainer.errors import DataError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")  # compared lower-case; DALI's image decoders read PNG too
+# images of other kinds (torchvision's ImageFolder reads these): refused where found, not left out
+OTHER_IMAGE_SUFFIXES = (".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".heic", ".avif", ".jp2", ".jxl")
 _TAIL = 64  # bytes searched for the end marker: some writers pad after it (a file without is decoded)
 # DALI's decoder reads PNG too, and data sets hold PNGs under a .jpg name (ImageNet's
 # n02105855_2933.JPEG): the check takes a PNG whole from its signature to its IEND chunk.
@@ -105,8 +107,13 @@ def list_split(folder: Path) -> tuple[list[str], np.ndarray, list[str]]:
 def _list_files(folder: Path, classes: list[str]) -> tuple[list[str], np.ndarray]:
     files, labels = [], []
     for k, name in enumerate(classes):
-        images = [e for e in os.scandir(folder / name)
-                  if e.name.lower().endswith(IMAGE_SUFFIXES) and not hidden(e.name)]
+        entries = [e for e in os.scandir(folder / name) if not hidden(e.name)]
+        other = sorted(e.name for e in entries if e.name.lower().endswith(OTHER_IMAGE_SUFFIXES))
+        if other:  # left out without a word, the run trained on fewer images than the folder shows
+            more = f" (and {len(other) - 1} more in its folder)" if other[1:] else ""
+            raise DataError(f"{printable(folder / name / other[0])}{more}: only .jpg/.jpeg/.png images are read; "
+                            "convert it to JPEG or PNG, or move it out of the data set")
+        images = [e for e in entries if e.name.lower().endswith(IMAGE_SUFFIXES)]
         broken = sorted(e.name for e in images if e.is_symlink() and not e.is_file())
         if broken:  # left out without a word, the run trained on fewer images than the folder shows
             raise DataError(f"{printable(folder / name / broken[0])} is a link to a file that is not there"
