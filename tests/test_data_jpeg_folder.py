@@ -296,6 +296,22 @@ def test_an_image_of_another_kind_is_named(tree, suffix):
         build_sources(config(tree), CPU, 0, 1, None)
 
 
+def test_class_folders_that_are_one_folder_are_named(tree):
+    """A link to another class's folder gave its images both labels, each the other's wrong
+    answer, without a word; links to folders elsewhere are read."""
+    for split in ("train", "val"):
+        (tree / split / "peach").symlink_to(tree / split / "apple", target_is_directory=True)
+        shutil.move(tree / split / "zebra", tree / f"{split}-zebra")
+        (tree / split / "zebra").symlink_to(tree / f"{split}-zebra", target_is_directory=True)
+    with pytest.raises(DataError, match=f"^class folders {tree / 'train' / 'apple'} and {tree / 'train' / 'peach'} are "
+                                        "one folder, reached through a link: each class needs its own images; remove "
+                                        "the link$"):
+        build_sources(config(tree, num_classes=4), CPU, 0, 1, None)
+    for split in ("train", "val"):
+        (tree / split / "peach").unlink()
+    assert dataset_sizes(config(tree).data) == (15, 6)
+
+
 def test_empty_class_folder(tree):
     for f in (tree / "val" / "mango").iterdir():
         f.unlink()

@@ -96,7 +96,14 @@ def list_split(folder: Path) -> tuple[list[str], np.ndarray, list[str]]:
         classes = class_folders(folder)
         if not classes:
             raise DataError(f"no class folders in {folder}: expected {folder}/<class>/*.jpg")
-        stamp = tuple((name, os.stat(folder / name).st_mtime_ns) for name in [".", *classes])
+        stats = {name: os.stat(folder / name) for name in [".", *classes]}
+        seen: dict[tuple[int, int], str] = {}
+        for name in classes:  # links to one folder: its images under two labels, each the other's wrong answer
+            other = seen.setdefault((stats[name].st_dev, stats[name].st_ino), name)
+            if other != name:
+                raise DataError(f"class folders {printable(folder / other)} and {printable(folder / name)} are one "
+                                "folder, reached through a link: each class needs its own images; remove the link")
+        stamp = tuple((name, st.st_mtime_ns) for name, st in stats.items())
         with _listing:
             if folder not in _listed or _listed[folder][0] != stamp:
                 _listed[folder] = (stamp, *_list_files(folder, classes))
