@@ -448,7 +448,8 @@ def test_a_file_dali_cannot_decode_is_named_when_its_batch_fails(tree):
     bad = tree / "train" / "mango" / "1.jpg"
     bad.write_bytes(b"\xff\xd8" + bytes(range(256)) * 4 + b"\xff\xd9")  # the ends look right
     train, _ = build_sources(config(tree, batch=15), CPU, 0, 1, None)
-    with pytest.raises(DataError, match=f"corrupt JPEG {bad}: cannot be decoded"):
+    with pytest.raises(DataError, match=f"^corrupt JPEG {bad}: cannot be decoded \\(its header is damaged: no image "
+                                        "can be read from it\\); replace the file or delete it$"):
         serve(train, (15,), 24)
 
 

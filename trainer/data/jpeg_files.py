@@ -231,11 +231,13 @@ def check_bytes(names: list[str], encoded: list) -> None:
 
 def decode_error(names: list[str], encoded: list, error: Exception) -> DataError:
     """DALI failed on a batch without saying which file: decode each with PIL to find it."""
-    from PIL import Image
+    from PIL import Image, UnidentifiedImageError
     for name, data in zip(names, encoded):
         try:
             with Image.open(io.BytesIO(bytes(data))) as image:
                 image.load()
+        except UnidentifiedImageError:  # its message names the in-memory copy by address, not the file
+            return corrupt([(name, "cannot be decoded (its header is damaged: no image can be read from it)")])
         except Exception as e:  # PIL raises many kinds; any of them names the culprit
             return corrupt([(name, f"cannot be decoded ({e})")])
     shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
