@@ -75,6 +75,7 @@ def _configured(dict_cfg: DictConfig, run_dir: Path, hydra: DictConfig, task, sa
     where the command line does not give them, before the checks: given alone,
     data.root=NEW (the data set moved) was refused against the defaults' data=synthetic.
     `say`: log what it takes (not while a sweep checks its jobs before the first)."""
+    from trainer import checkpoint
     try:
         cfg = expand_paths(OmegaConf.to_object(dict_cfg))
     except OmegaConfBaseException as e:
@@ -93,9 +94,10 @@ def _configured(dict_cfg: DictConfig, run_dir: Path, hydra: DictConfig, task, sa
         # the file, not its run's folder, where a resumed run writes newer ones: what it read is recorded
         cfg.trainer.resume = str(find_checkpoint(cfg.checkpoint or cfg.trainer.resume))
         meta, changed = _take_options(cfg, cfg.trainer.resume, CHECKPOINT_OPTIONS, hydra, task, say)
+        # model=resnet18 (or ema=true) given for a fastnet's: refused before the run's folder is made
+        checkpoint.check_model_options(Path(cfg.trainer.resume), meta, checkpoint.identity(cfg))
     validate(cfg)
     if changed:  # once validated: a model of a depth validate refuses would fail to build, in torch's words
-        from trainer import checkpoint
         checkpoint.check_model_tensors(Path(cfg.trainer.resume), meta, cfg, changed, evaluating=cfg.mode != "train")
     return cfg
 
@@ -160,8 +162,6 @@ def _take_options(cfg: TrainConfig, path: str, keys, hydra: DictConfig, task, sa
     if changed and say:
         log.info("this command changes the options of the run that wrote %s: %s", path,
                  " ".join(f"{key}={now} (was {then})" for key, (then, now) in changed.items()))
-    if keys is CHECKPOINT_OPTIONS:  # model=resnet18 given for a fastnet's: refused before the run's folder is made
-        checkpoint.check_model_options(Path(path), meta, checkpoint.identity(cfg))
     if taken and say:
         log.info("as the run that wrote %s: %s", path, " ".join(f"{key}={value}" for key, value in taken.items()))
     # with the run's options: ema_decay without its EMA; and, evaluating, the optimizer's, which only training reads
