@@ -213,6 +213,18 @@ def test_the_learning_rate_table_follows_each_schedule():
     assert long[0] == 1 and long[-1] == pytest.approx(0, abs=1e-12)
 
 
+def test_a_milestone_that_falls_on_a_step_decays_the_learning_rate_from_that_step():
+    """2.2 epochs of 25 steps are 55.00000000000001 in floating point (0.28 of them 7.000000000000001):
+    the learning rate fell a step after its milestone, and a milestone on the run's last step was
+    said to fall after its end."""
+    from trainer.config import ScheduleConfig, unreached
+    from trainer.schedule import lr_multipliers
+    table = lr_multipliers(ScheduleConfig(name="step", milestones=[0.28, 2.2], gamma=0.1), 75, 25)
+    assert (table[6], table[7], table[54], table[55]) == pytest.approx((1, 0.1, 0.1, 0.01))
+    cfg = compose_config(["schedule=step", "schedule.milestones=[2.2]", "trainer.epochs=2.24"])
+    assert unreached(cfg, 25, 56) == []
+
+
 def test_total_steps_rounds_a_fractional_epoch_up():
     assert total_steps(1.5, 7) == 11 and total_steps(1.5, 8) == 12
     assert total_steps(9.9, 48) == 476  # the recipe: 9.9 epochs of 48 steps (49,152 of 50,000 examples)

@@ -695,7 +695,8 @@ def unreached(cfg: TrainConfig, per_epoch: int, steps: int) -> list[str]:
         out.append(f"schedule.warmup_epochs={s.warmup_epochs:g} is {warmup} steps, not fewer than the run's {steps} "
                    f"(trainer.epochs={t.epochs:g}): the learning rate climbs through the whole run and never reaches its "
                    f"peak")
-    if s.name == "step" and s.milestones and min(s.milestones) * per_epoch > steps - 1:
+    # the first milestone's step, as schedule.epoch_step rounds it, after the last step
+    if s.name == "step" and s.milestones and round(min(s.milestones) * per_epoch, 9) > steps - 1:
         out.append(f"schedule.milestones={list(s.milestones)} fall after the run's end (trainer.epochs={t.epochs:g}): the "
                    f"learning rate stays at its peak")
     if cfg.ema and t.ema_every >= steps > 1:  # the average is updated at steps 0, ema_every, 2 ema_every, ...

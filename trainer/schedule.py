@@ -15,9 +15,14 @@ def steps_per_epoch(examples_per_rank: int, batch: int, drop_last: bool) -> int:
     return examples_per_rank // batch if drop_last else -(-examples_per_rank // batch)
 
 
+def epoch_step(epochs: float, per_epoch: int) -> int:
+    """The first step at or after `epochs` epochs. Rounded first: 2.2 epochs of 25 steps are
+    55.00000000000001 in floating point, whose ceiling is 56."""
+    return math.ceil(round(epochs * per_epoch, 9))
+
+
 def total_steps(epochs: float, per_epoch: int) -> int:
-    # rounded first: 2.2 epochs of 25 steps are 55.00000000000001 in floating point, not 56 steps
-    return max(1, math.ceil(round(epochs * per_epoch, 9)))
+    return max(1, epoch_step(epochs, per_epoch))
 
 
 def lr_multipliers(s: ScheduleConfig, steps: int, per_epoch: int) -> torch.Tensor:
@@ -37,7 +42,7 @@ def lr_multipliers(s: ScheduleConfig, steps: int, per_epoch: int) -> torch.Tenso
     elif s.name == "poly":
         decay = f + (1 - f) * (1 - q) ** s.power
     else:  # step: gamma to the number of milestones passed (gamma ** 0 is 1, gamma=inf too)
-        passed = sum((t >= m * per_epoch).to(torch.float64) for m in s.milestones)
+        passed = sum((t >= epoch_step(m, per_epoch)).to(torch.float64) for m in s.milestones)
         decay = torch.pow(s.gamma, passed)
     if not warmup:
         return decay
