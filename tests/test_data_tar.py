@@ -207,3 +207,27 @@ def test_an_archive_of_fewer_jpegs_than_asked_for_names_the_size_asked_for(tmp_p
     with pytest.raises(DataError, match="holds 12 train images, fewer than the data.train_size=20 asked for; "
                                         "set data.train_size=12 or less$"):
         build_sources(cfg, CPU, 0, 1, None)
+
+
+@pytest.mark.skipif(shutil.which("tar") is None, reason="needs the tar command")
+def test_a_tree_archived_twice_reads_each_image_once_as_it_unpacks(tmp_path):
+    """GNU tar stores the files of a folder named twice (tar czf a.tgz train test train) the
+    second time as hard links to themselves: they were taken as loops of links and left out,
+    so the archive held no training images. Appended again (tar rf), the later copy is read."""
+    tree = tmp_path / "tree"
+    jpeg_tree(tree)
+    twice, appended = tmp_path / "twice.tgz", tmp_path / "appended.tar"
+    subprocess.run(["tar", "czf", twice, "train", "test", "train"], cwd=tree, check=True)
+    subprocess.run(["tar", "cf", appended, "train", "test"], cwd=tree, check=True)
+    shutil.copy(tree / "train" / "frog" / "0000.jpg", tree / "train" / "cat" / "0000.jpg")
+    subprocess.run(["tar", "rf", appended, "train"], cwd=tree, check=True)
+    for path in (twice, appended):
+        assert tar_files(path.read_bytes()) == unpacked(path.read_bytes(), tmp_path / path.stem)
+
+    def loaded(root):
+        train, val = build_sources(cifar(root, num_classes=3, train_size=12, val_size=6), CPU, 0, 1, None)
+        return [train.images, train.labels, val.images, val.labels]
+    now, before = loaded(tree), loaded(twice)
+    assert all(torch.equal(a, b) for a, b in zip(now, loaded(appended)))
+    changed = 4  # train/cat/0000.jpg: the first image of the second class folder in sorted order
+    assert torch.equal(before[0][:changed], now[0][:changed]) and not torch.equal(before[0][changed], now[0][changed])

@@ -158,12 +158,16 @@ def tar_files(archive: bytes) -> dict[str, bytes]:
             prefix = header[345:500].split(b"\0", 1)[0] if header[257:262] == b"ustar" else b""
             name = next_name or (_text(prefix) + "/" + name if prefix else name)
             clean = _clean(name)
-            files.pop(cleaned.pop(clean, None), None)
-            links.pop(clean, None)
-            if kind in FILE_TYPES:
-                files[name], cleaned[clean] = body, name
-            else:  # a hard link names a member from the root; a symbolic one a path from its own folder
-                links[clean] = (next_link or _text(header[157:257].split(b"\0", 1)[0]), kind == HARD_LINK)
+            target = next_link or _text(header[157:257].split(b"\0", 1)[0])
+            # GNU tar stores a file named twice (tar czf a.tgz train test train) the second time as a hard
+            # link to itself: unpacked, that is the file, once (taken as a link, it was a loop, left out)
+            if not (kind == HARD_LINK and _clean(target) == clean and clean in cleaned):
+                files.pop(cleaned.pop(clean, None), None)
+                links.pop(clean, None)
+                if kind in FILE_TYPES:
+                    files[name], cleaned[clean] = body, name
+                else:  # a hard link names a member from the root; a symbolic one a path from its own folder
+                    links[clean] = (target, kind == HARD_LINK)
             next_name = next_link = None
         else:  # directories, devices, global pax headers: nothing to read
             next_name = next_link = None
