@@ -231,3 +231,16 @@ def test_a_tree_archived_twice_reads_each_image_once_as_it_unpacks(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(now, loaded(appended)))
     changed = 4  # train/cat/0000.jpg: the first image of the second class folder in sorted order
     assert torch.equal(before[0][:changed], now[0][:changed]) and not torch.equal(before[0][changed], now[0][changed])
+
+
+def test_an_archive_holding_a_split_folder_in_two_places_is_refused(tmp_path):
+    """Two copies of the tree (cifar10/ and a backup of it): every image was read from both."""
+    jpeg_tree(tmp_path / "tree")
+    path = tmp_path / "two.tgz"
+    with tarfile.open(path, "w:gz") as tar:
+        tar.add(tmp_path / "tree", arcname="cifar10")
+        tar.add(tmp_path / "tree" / "train", arcname="backup/cifar10/train")
+    with pytest.raises(DataError, match=f"^the archive {path} holds train/ in 2 places \\(backup/cifar10/train, "
+                                        "cifar10/train\\): its images would be read once from each; make the archive "
+                                        "again of one tree$"):
+        build_sources(cifar(path, num_classes=3, train_size=12, val_size=6), CPU, 0, 1, None)

@@ -131,7 +131,7 @@ def jpeg_list(root: Path, split: str, members: dict[str, bytes] | None):
     # the first of the split's folders the archive holds, as find_split takes in a tree (test/, not val/ too)
     held = {n.split("/")[-3] for n in images}
     folder = next((f for f in SPLIT_DIRS[split] if f in held), None)
-    names = sorted(n for n in images if n.split("/")[-3] == folder)
+    names = sorted(_in_split(root, images, folder))
     if not names:
         raise DataError(f"no {SPLIT_DIRS[split][0]}/<class>/*.jpg in the archive {root}: data.root must be "
                         f"a .tgz of the CIFAR-10 JPEG tree or of cifar-10-batches-py")
@@ -149,11 +149,23 @@ def _archived_images(members: dict[str, bytes]) -> list[str]:
             and not any(map(hidden, n.split("/")[-2:]))]
 
 
+def _in_split(root: Path, images: list[str], folder: str | None) -> list[str]:
+    """The images in the split's `folder` (.../<folder>/<class>/<file>), refused where the archive
+    holds that folder in more than one place (the tree stored twice, under two names): each
+    image was read once from each."""
+    names = [n for n in images if n.split("/")[-3] == folder]
+    trees = sorted({n.rsplit("/", 2)[0] for n in names})
+    if trees[1:]:
+        raise DataError(f"the archive {root} holds {folder}/ in {len(trees)} places ({', '.join(trees[:4])}): its "
+                        "images would be read once from each; make the archive again of one tree")
+    return names
+
+
 def train_classes(root: Path, members: dict[str, bytes] | None) -> list[str] | None:
     """The class names of the training split, from its folders' names alone (None where it has none)."""
     if members is None:
         return class_folders(root / "train") if (root / "train").is_dir() else None
-    return sorted({n.split("/")[-2] for n in _archived_images(members) if n.split("/")[-3] == "train"}) or None
+    return sorted({n.split("/")[-2] for n in _in_split(root, _archived_images(members), "train")}) or None
 
 
 def jpeg_splits(root: Path, members: dict[str, bytes] | None, d: DataConfig,
