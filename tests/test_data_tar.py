@@ -69,7 +69,7 @@ def test_tar_files_reads_what_the_archive_unpacks_to(fmt, compress, tmp_path):
     assert expected["train/sub/symbolic.jpg"] == expected["train/3.jpg"] == expected["val/frogs/symbolic.jpg"]
     assert expected["val/all.jpg"] == expected["train/3.jpg"] and "train/dangling.jpg" not in expected
     assert LONG in expected and len(expected) == (13 if fmt == tarfile.USTAR_FORMAT else 14)
-    assert tar_files(data) == expected
+    assert tar_files(data) == (expected, ["train/dangling.jpg"])
 
 
 @pytest.mark.parametrize("links", [
@@ -93,7 +93,9 @@ def test_links_read_as_find_follows_them_unpacked(links, tmp_path):
             info = tarfile.TarInfo(name)
             info.type, info.linkname = tarfile.SYMTYPE, target
             tar.addfile(info)
-    assert tar_files(buffer.getvalue()) == unpacked(buffer.getvalue(), tmp_path)
+    files, dangling = tar_files(buffer.getvalue())
+    assert files == unpacked(buffer.getvalue(), tmp_path)
+    assert sorted(dangling) == sorted(name for name, _ in links if not (tmp_path / name).exists())
 
 
 def cifar(root: Path, **data) -> TrainConfig:
@@ -222,7 +224,7 @@ def test_a_tree_archived_twice_reads_each_image_once_as_it_unpacks(tmp_path):
     shutil.copy(tree / "train" / "frog" / "0000.jpg", tree / "train" / "cat" / "0000.jpg")
     subprocess.run(["tar", "rf", appended, "train"], cwd=tree, check=True)
     for path in (twice, appended):
-        assert tar_files(path.read_bytes()) == unpacked(path.read_bytes(), tmp_path / path.stem)
+        assert tar_files(path.read_bytes()) == (unpacked(path.read_bytes(), tmp_path / path.stem), [])
 
     def loaded(root):
         train, val = build_sources(cifar(root, num_classes=3, train_size=12, val_size=6), CPU, 0, 1, None)
@@ -244,3 +246,18 @@ def test_an_archive_holding_a_split_folder_in_two_places_is_refused(tmp_path):
                                         "cifar10/train\\): its images would be read once from each; make the archive "
                                         "again of one tree$"):
         build_sources(cifar(path, num_classes=3, train_size=12, val_size=6), CPU, 0, 1, None)
+
+
+@pytest.mark.parametrize("link, target, what", [("train/dog", "../../elsewhere/dog", "a class folder"),
+                                                ("test/cat/0002.jpg", "0009.jpg", "a file")], ids=["class", "image"])
+def test_a_link_in_an_archive_to_a_class_folder_or_image_not_there_is_named(tmp_path, link, target, what):
+    """As in its folder: the class or image was left out without a word, and the run trained
+    on fewer classes or images than the archive shows."""
+    tree = tmp_path / "tree"
+    jpeg_tree(tree)
+    (tree / link).symlink_to(target)
+    said = f"is a link to {what} that is not there: restore its target, or remove the link"
+    path = archived(tree)
+    for root, named, then in ((tree, tree / link, ""), (path, f"{path}:cifar10/{link}", ", then make the archive again")):
+        with pytest.raises(DataError, match=f"^{named} {said}{then}$"):
+            build_sources(cifar(root, num_classes=3, train_size=12, val_size=6), CPU, 0, 1, None)

@@ -17,8 +17,8 @@ import torch
 from trainer.config import DataConfig
 from trainer.data import decoded_cache
 from trainer.data.dali import decode_all
-from trainer.data.jpeg_files import (IMAGE_SUFFIXES, check_bytes, class_folders, find_split, hidden, list_split,
-                                     looking_into_folders, read_error, same_classes)
+from trainer.data.jpeg_files import (IMAGE_SUFFIXES, broken_links, check_bytes, class_folders, find_split, hidden,
+                                     list_split, looking_into_folders, printable, read_error, same_classes)
 from trainer.data.resident import ResidentSource
 from trainer.data.source import Shard, subset
 from trainer.data.tar import Damaged, tar_files
@@ -34,16 +34,37 @@ CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog
 
 
 def read_archive(path: Path, raw: bytes) -> dict[str, bytes]:
-    """The JPEGs and python batches in an archive (its bytes `raw`), by member path."""
+    """The JPEGs and python batches in an archive (its bytes `raw`), by member path; a link in
+    it to a class folder or JPEG that is not there is named, as in a folder."""
     try:
-        files = tar_files(raw)
+        files, dangling = tar_files(raw)
     except Damaged as e:  # an archive all the same: not the wrong file, but a bad copy of it
         raise DataError(f"the archive {path} is damaged or truncated ({e}): download or copy it again") from None
     except ValueError as e:
         raise DataError(f"cannot read the archive {path}: {e}; data.root must be a .tgz/.tar of the "
                         f"CIFAR-10 JPEG tree or of cifar-10-batches-py, or a folder of either") from None
+    _refuse_broken_links(path, dangling)
     return {name: data for name, data in files.items()
             if name.lower().endswith(IMAGE_SUFFIXES) or "_batch" in name}
+
+
+def _refuse_broken_links(path: Path, dangling: list[str]):
+    """The archive's links to nothing at a class folder's place (.../<split>/<class>) or an
+    image's (.../<split>/<class>/<file>), named as in a folder: the class or image was left
+    out without a word, and the run trained on fewer than the archive shows."""
+    splits = {folder for folders in SPLIT_DIRS.values() for folder in folders}
+    broken = {"a class folder": [], "a file": []}
+    for link in sorted(dangling):
+        *_, split, folder, name = ["", "", *link.split("/")]
+        if hidden(folder) or hidden(name):
+            continue
+        if folder in splits:
+            broken["a class folder"].append(printable(f"{path}:{link}"))
+        elif split in splits and name.lower().endswith(IMAGE_SUFFIXES):
+            broken["a file"].append(printable(f"{path}:{link}"))
+    for what, links in broken.items():
+        if links:
+            raise broken_links(links, what, "the archive", ", then make the archive again")
 
 
 def python_batches(root: Path, members: dict[str, bytes] | None) -> dict[str, bytes] | None:

@@ -65,11 +65,18 @@ def class_folders(folder: Path) -> list[str]:
     with looking_into_folders():
         entries = [e for e in os.scandir(folder) if not hidden(e.name)]
         broken = sorted(e.name for e in entries if e.is_symlink() and not e.is_dir() and not e.is_file())
-        if broken:  # left out without a word, the run trained on fewer classes than the folder shows
-            raise DataError(f"{printable(folder / broken[0])} is a link to a class folder that is not there"
-                            f"{f' (and {len(broken) - 1} more in {printable(folder)})' if broken[1:] else ''}: "
-                            "restore its target, or remove the link")
+        if broken:
+            raise broken_links([printable(folder / name) for name in broken], "a class folder", printable(folder))
         return sorted(e.name for e in entries if e.is_dir())
+
+
+def broken_links(paths: list[str], what: str, where: str, then: str = "") -> DataError:
+    """Links to `what` (a class folder, a file) that is not there, the first named with how
+    many more `where` holds: left out without a word, the run trained on fewer classes or
+    images than the data shows."""
+    more = f" (and {len(paths) - 1} more in {where})" if paths[1:] else ""
+    return DataError(f"{paths[0]} is a link to {what} that is not there{more}: restore its target, or remove the "
+                     f"link{then}")
 
 
 _listed: dict[Path, tuple[tuple, list[str], np.ndarray]] = {}  # folder -> (its folders' times, files, labels)
@@ -122,10 +129,8 @@ def _list_files(folder: Path, classes: list[str]) -> tuple[list[str], np.ndarray
                             "convert it to JPEG or PNG, or move it out of the data set")
         images = [e for e in entries if e.name.lower().endswith(IMAGE_SUFFIXES)]
         broken = sorted(e.name for e in images if e.is_symlink() and not e.is_file())
-        if broken:  # left out without a word, the run trained on fewer images than the folder shows
-            raise DataError(f"{printable(folder / name / broken[0])} is a link to a file that is not there"
-                            f"{f' (and {len(broken) - 1} more in its folder)' if broken[1:] else ''}: restore its "
-                            "target, or remove the link")
+        if broken:
+            raise broken_links([printable(folder / name / b) for b in broken], "a file", "its folder")
         jpegs = sorted(e.name for e in images if e.is_file())
         if not jpegs:  # what it holds instead: images in subfolders are not read (not a class's)
             held = sorted(e.name + "/" if e.is_dir() else e.name for e in os.scandir(folder / name))

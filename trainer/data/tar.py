@@ -6,7 +6,7 @@ H200's host). This reads only what finds a file: its name (ustar's prefix, GNU l
 pax paths), size and type, and checks each header's checksum so that a damaged archive is
 refused rather than misread. Hard and symbolic links read as they would once unpacked: one
 to a file in the archive as that file, one to a folder as that folder's files; one to
-anything else is left out, as a dangling link in a folder is no file there either.
+anything else dangles, no file there, and is listed apart for the reader to name.
 """
 import gzip
 import posixpath
@@ -71,12 +71,13 @@ def _clean(name: str) -> str:
     return posixpath.normpath(name).lstrip("/")
 
 
-def _with_links(files: dict[str, bytes], member: dict[str, str], links: dict[str, tuple[str, bool]]) -> dict[str, bytes]:
+def _with_links(files: dict[str, bytes], member: dict[str, str],
+                links: dict[str, tuple[str, bool]]) -> tuple[dict[str, bytes], list[str]]:
     """`files` and what the archive's links read as once it is unpacked, each at a path
     that `find -L` lists there: a link to a file, that file's contents; a link to a folder,
     that folder's files under the link's path. A link reached through others is followed
     (at most MAX_HOPS of them for one path); a folder already above in the walk is a loop,
-    left out as `find -L` leaves it; a link to anything else dangles and is left out.
+    left out as `find -L` leaves it; a link to anything else dangles: its path is listed apart.
     member: a file's path as unpacked -> its name in `files`; links: a link's path -> (its
     target, whether it is a hard link, named from the root)."""
     entries: dict[str, set[str]] = {}  # a folder's path ("" the root) -> the names in it
@@ -108,7 +109,7 @@ def _with_links(files: dict[str, bytes], member: dict[str, str], links: dict[str
             todo, done = target.split("/") + todo, "" if hard else done
         return done
 
-    out = dict(files)
+    out, dangling = dict(files), []
 
     def walk(logical: str, folder: str, above: set[str], linked: bool):
         for name in sorted(entries.get(folder, ())):
@@ -118,15 +119,18 @@ def _with_links(files: dict[str, bytes], member: dict[str, str], links: dict[str
             if target in member:
                 if through:
                     out[shown] = files[member[target]]
-            elif target in entries and target not in above:
-                walk(shown, target, above | {target}, through)
+            elif target in entries:
+                if target not in above:
+                    walk(shown, target, above | {target}, through)
+            elif path in links:
+                dangling.append(shown)
     walk("", "", {""}, False)
-    return out
+    return out, dangling
 
 
-def tar_files(archive: bytes) -> dict[str, bytes]:
-    """{path: contents} of the regular files in a tar archive, gzip-compressed or not, and of
-    the links to them."""
+def tar_files(archive: bytes) -> tuple[dict[str, bytes], list[str]]:
+    """({path: contents} of the regular files in a tar archive, gzip-compressed or not, and of
+    the links to them; the paths of the links to nothing in it)."""
     try:
         data = gzip.decompress(archive) if archive[:2] == GZIP_MAGIC else archive
     except (EOFError, OSError, zlib.error) as e:  # cut short, a failed CRC, damaged deflate data
@@ -171,4 +175,4 @@ def tar_files(archive: bytes) -> dict[str, bytes]:
             next_name = next_link = None
         else:  # directories, devices, global pax headers: nothing to read
             next_name = next_link = None
-    return _with_links(files, cleaned, links) if links else files
+    return _with_links(files, cleaned, links) if links else (files, [])
