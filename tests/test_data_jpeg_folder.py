@@ -538,3 +538,17 @@ def test_the_trainer_asks_cuda_for_32_work_queues_unless_the_user_chose(user_val
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          cwd=Path(__file__).resolve().parents[1])
     assert out.stdout.strip() == (user_value or "32"), out.stderr
+
+
+def test_a_truncated_file_left_unchecked_in_the_next_epochs_first_batches_is_named_at_a_new_resolution(tree):
+    """data.check_files=false: the batches fed ahead for the next epoch are collected when it
+    starts at another resolution (progressive resizing), and DALI's own error came out there."""
+    train, _ = build_sources(config(tree, batch=4, check_files=False), CPU, 0, 1, None)
+    first, ahead = (train.shard.epoch(train.seed, epoch).examples for epoch in (0, 1))
+    bad = train.files[next(i for i in ahead[:8] if i not in first[:12])]  # left out of epoch 0's three batches
+    data = Path(bad).read_bytes()
+    Path(bad).write_bytes(data[:len(data) // 2])
+    serve(train, (4, 4, 4), 24)
+    with pytest.raises(DataError, match=f"^corrupt JPEG {bad}: cannot be decoded \\(.*[Tt]runcated.*\\); replace the file "
+                                        "or delete it$"):
+        train.start_epoch(1, 16)

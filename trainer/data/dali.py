@@ -170,9 +170,9 @@ class DaliSource:
             # an epoch that is not this one, leave iterations in flight: collect them, or
             # this epoch would begin with their batches.
             while self._in_flight:  # all at the last epoch's resolution
-                self._in_flight.popleft()
-                for pipe in self._pipes[self._epoch.resolution]:
-                    pipe.outputs()
+                examples = self._in_flight.popleft()
+                for pipe, rows in zip(self._pipes[self._epoch.resolution], self.part_slices(len(examples))):
+                    self._outputs(pipe, examples[rows])
             self._epoch = self._queue(epoch, resolution)
         self._next = None
         while len(self._in_flight) < IN_FLIGHT and self._epoch.scheduled < len(self._epoch.plan):
@@ -191,6 +191,14 @@ class DaliSource:
                 pipe.schedule_run()  # the first run: starts every fed iteration
                 self._running.add(pipe)
 
+    def _outputs(self, pipe: Pipeline, examples: np.ndarray, stream=None) -> tuple:
+        """The pipeline's next iteration, made of `examples`; where DALI fails on one of them (a
+        damaged file data.check_files=false let through), a message naming it."""
+        try:
+            return pipe.outputs(cuda_stream=stream)
+        except RuntimeError as e:
+            raise self.decode_error(examples, e) from e
+
     def fill(self, data: torch.Tensor, label: torch.Tensor, mask: torch.Tensor | None, stream) -> None:
         if not data.is_contiguous():
             raise ValueError(f"fill() writes raw NHWC bytes: data must be contiguous, not strides {data.stride()}")
@@ -198,11 +206,8 @@ class DaliSource:
         examples = self._in_flight.popleft()
         stream = stream if self.gpu else None
         for pipe, rows in zip(self._pipes[self._epoch.resolution], self.part_slices(len(data))):
-            try:
-                # bound to `stream`: the copies below wait for DALI on the device, not the host
-                images, labels, masks = pipe.outputs(cuda_stream=stream)
-            except RuntimeError as e:
-                raise self.decode_error(examples[rows], e) from e
+            # bound to `stream`: the copies below wait for DALI on the device, not the host
+            images, labels, masks = self._outputs(pipe, examples[rows], stream)
             with on(stream, data):
                 if data.dtype == torch.bfloat16:
                     staging = torch.empty(data[rows].shape, dtype=torch.float16, device=data.device)
@@ -234,9 +239,6 @@ class DaliSource:
             chunk = examples[start:start + step]
             self._feed(pipe, chunk, np.ones(len(chunk), bool), draws={})
             pipe.schedule_run()
-            try:
-                images = pipe.outputs()[0]
-            except RuntimeError as e:
-                raise self.decode_error(chunk, e) from e
+            images = self._outputs(pipe, chunk)[0]
             feed_ndarray(images.as_tensor(), out[start:start + len(chunk)])
         return out.permute(0, 3, 1, 2).contiguous()
