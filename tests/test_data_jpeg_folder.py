@@ -549,6 +549,18 @@ def test_a_truncated_file_left_unchecked_in_the_next_epochs_first_batches_is_nam
     data = Path(bad).read_bytes()
     Path(bad).write_bytes(data[:len(data) // 2])
     serve(train, (4, 4, 4), 24)
-    with pytest.raises(DataError, match=f"^corrupt JPEG {bad}: cannot be decoded \\(.*[Tt]runcated.*\\); replace the file "
-                                        "or delete it$"):
+    with pytest.raises(DataError, match=f"^corrupt JPEG {bad}: no JPEG end marker \\(FF D9\\): the file is truncated; "
+                                        "replace the file or delete it$"):
         train.start_epoch(1, 16)
+
+
+@pytest.mark.parametrize("check_files", [True, False])
+def test_an_image_of_another_kind_under_a_jpeg_name_is_named_checked_or_not(tree, check_files):
+    """data.check_files=false: DALI fails on a GIF that PIL decodes, and its batch was named
+    (15 files) in place of the file."""
+    bad = tree / "train" / "mango" / "1.jpg"
+    Image.new("RGB", (40, 40), COLORS["mango"]).save(bad, format="GIF")
+    said = f"^corrupt JPEG {bad}: no JPEG start marker \\(FF D8\\) or PNG signature: not a JPEG or PNG file; replace"
+    with pytest.raises(DataError, match=said):
+        train, _ = build_sources(config(tree, batch=15, check_files=check_files), CPU, 0, 1, None)
+        serve(train, (15,), 24)

@@ -226,16 +226,26 @@ def check_files(files: list[str], threads: int) -> None:
         raise corrupt(problems)
 
 
+def _byte_problems(names: list[str], encoded: list) -> list[tuple[str, str]]:
+    """(name, what is wrong) of each file in memory (bytes or uint8 arrays) whose ends show damage."""
+    return [(name, why) for name, data in zip(names, encoded)
+            if (why := jpeg_problem(bytes(data[:len(_PNG_START)]), bytes(data[-_TAIL:]), lambda: bytes(data)))]
+
+
 def check_bytes(names: list[str], encoded: list) -> None:
-    """The same look for files already in memory (bytes or uint8 arrays)."""
-    problems = [(name, why) for name, data in zip(names, encoded)
-                if (why := jpeg_problem(bytes(data[:len(_PNG_START)]), bytes(data[-_TAIL:]), lambda: bytes(data)))]
+    """The same look for files already in memory."""
+    problems = _byte_problems(names, encoded)
     if problems:
         raise corrupt(problems)
 
 
 def decode_error(names: list[str], encoded: list, error: Exception) -> DataError:
-    """DALI failed on a batch without saying which file: decode each with PIL to find it."""
+    """DALI failed on a batch without saying which file: look at each file's ends, as
+    data.check_files does (a GIF under a .jpg name, which PIL decodes and DALI does not, was
+    not found), then decode each with PIL to find it."""
+    problems = _byte_problems(names, encoded)
+    if problems:
+        return corrupt(problems)
     from PIL import Image, UnidentifiedImageError
     for name, data in zip(names, encoded):
         try:
