@@ -69,7 +69,8 @@ def test_tar_files_reads_what_the_archive_unpacks_to(fmt, compress, tmp_path):
     assert expected["train/sub/symbolic.jpg"] == expected["train/3.jpg"] == expected["val/frogs/symbolic.jpg"]
     assert expected["val/all.jpg"] == expected["train/3.jpg"] and "train/dangling.jpg" not in expected
     assert LONG in expected and len(expected) == (13 if fmt == tarfile.USTAR_FORMAT else 14)
-    assert tar_files(data) == (expected, ["train/dangling.jpg"])
+    members = tar_files(data)
+    assert members.files == expected and members.dangling == ["train/dangling.jpg"] and members.folders == {"train"}
 
 
 @pytest.mark.parametrize("links", [
@@ -93,7 +94,7 @@ def test_links_read_as_find_follows_them_unpacked(links, tmp_path):
             info = tarfile.TarInfo(name)
             info.type, info.linkname = tarfile.SYMTYPE, target
             tar.addfile(info)
-    files, dangling = tar_files(buffer.getvalue())
+    files, _, dangling = tar_files(buffer.getvalue())
     assert files == unpacked(buffer.getvalue(), tmp_path)
     assert sorted(dangling) == sorted(name for name, _ in links if not (tmp_path / name).exists())
 
@@ -224,7 +225,7 @@ def test_a_tree_archived_twice_reads_each_image_once_as_it_unpacks(tmp_path):
     shutil.copy(tree / "train" / "frog" / "0000.jpg", tree / "train" / "cat" / "0000.jpg")
     subprocess.run(["tar", "rf", appended, "train"], cwd=tree, check=True)
     for path in (twice, appended):
-        assert tar_files(path.read_bytes()) == (unpacked(path.read_bytes(), tmp_path / path.stem), [])
+        assert tar_files(path.read_bytes()).files == unpacked(path.read_bytes(), tmp_path / path.stem)
 
     def loaded(root):
         train, val = build_sources(cifar(root, num_classes=3, train_size=12, val_size=6), CPU, 0, 1, None)
@@ -261,3 +262,31 @@ def test_a_link_in_an_archive_to_a_class_folder_or_image_not_there_is_named(tmp_
     for root, named, then in ((tree, tree / link, ""), (path, f"{path}:cifar10/{link}", ", then make the archive again")):
         with pytest.raises(DataError, match=f"^{named} {said}{then}$"):
             build_sources(cifar(root, num_classes=3, train_size=12, val_size=6), CPU, 0, 1, None)
+
+
+@pytest.mark.parametrize("add, named, said", [
+    ("train/cat/0009.webp", "train/cat/0009.webp",
+     "only .jpg/.jpeg/.png images are read; convert it to JPEG or PNG, or move it out of the data set"),
+    ("train/dog/", "train/dog", "it holds no .jpg/.jpeg/.png file; add its images, or remove the class's folder from "
+                                "every split \\(they need the same ones\\)"),
+    ("test/cat/notes/0000.jpg", "", ""),  # in a subfolder: test/cat keeps its images
+], ids=["another-kind", "empty", "subfolder"])
+def test_what_the_folder_reader_refuses_is_refused_in_the_archive_too(tmp_path, add, named, said):
+    """An image of another kind, a class folder without images: left out of the archive without
+    a word, where its folder names them, so the run trained on fewer images or classes."""
+    tree = tmp_path / "tree"
+    jpeg_tree(tree)
+    if add.endswith("/"):
+        (tree / add).mkdir()
+    else:
+        (tree / add).parent.mkdir(exist_ok=True)
+        Image.new("RGB", (32, 32)).save(tree / add)
+    path = archived(tree)
+    for root, shown, then in ((tree, tree / named, ""), (path, f"{path}:cifar10/{named}", ", then make the archive again")):
+        cfg = cifar(root, num_classes=3, train_size=12, val_size=6)
+        if not named:
+            build_sources(cfg, CPU, 0, 1, None)
+            continue
+        empty = "empty class folder " if add.endswith("/") else ""
+        with pytest.raises(DataError, match=f"^{empty}{shown}: {said}{then}$"):
+            build_sources(cfg, CPU, 0, 1, None)

@@ -9,6 +9,7 @@ archive decodes to is kept in data.decode_cache, named by the archive's content
 """
 import io
 import pickle
+import posixpath
 from pathlib import Path, PurePosixPath
 
 import numpy as np
@@ -17,11 +18,12 @@ import torch
 from trainer.config import DataConfig
 from trainer.data import decoded_cache
 from trainer.data.dali import decode_all
-from trainer.data.jpeg_files import (IMAGE_SUFFIXES, broken_links, check_bytes, class_folders, find_split, hidden,
-                                     list_split, looking_into_folders, printable, read_error, same_classes)
+from trainer.data.jpeg_files import (IMAGE_SUFFIXES, OTHER_IMAGE_SUFFIXES, broken_links, check_bytes, class_folders,
+                                     empty_class_folder, find_split, hidden, list_split, looking_into_folders,
+                                     other_kinds, printable, read_error, same_classes)
 from trainer.data.resident import ResidentSource
 from trainer.data.source import Shard, subset
-from trainer.data.tar import Damaged, tar_files
+from trainer.data.tar import Damaged, Members, tar_files
 from trainer.errors import DataError
 
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
@@ -34,37 +36,63 @@ CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog
 
 
 def read_archive(path: Path, raw: bytes) -> dict[str, bytes]:
-    """The JPEGs and python batches in an archive (its bytes `raw`), by member path; a link in
-    it to a class folder or JPEG that is not there is named, as in a folder."""
+    """The JPEGs and python batches in an archive (its bytes `raw`), by member path."""
     try:
-        files, dangling = tar_files(raw)
+        archive = tar_files(raw)
     except Damaged as e:  # an archive all the same: not the wrong file, but a bad copy of it
         raise DataError(f"the archive {path} is damaged or truncated ({e}): download or copy it again") from None
     except ValueError as e:
         raise DataError(f"cannot read the archive {path}: {e}; data.root must be a .tgz/.tar of the "
                         f"CIFAR-10 JPEG tree or of cifar-10-batches-py, or a folder of either") from None
-    _refuse_broken_links(path, dangling)
-    return {name: data for name, data in files.items()
+    _refuse_left_out(path, archive)
+    return {name: data for name, data in archive.files.items()
             if name.lower().endswith(IMAGE_SUFFIXES) or "_batch" in name}
 
 
-def _refuse_broken_links(path: Path, dangling: list[str]):
-    """The archive's links to nothing at a class folder's place (.../<split>/<class>) or an
-    image's (.../<split>/<class>/<file>), named as in a folder: the class or image was left
-    out without a word, and the run trained on fewer than the archive shows."""
+def _refuse_left_out(path: Path, archive: Members):
+    """What the tree's folder reader names, named in its archive, where it was left out without
+    a word and a run trained on fewer classes or images than the archive shows: a link to
+    nothing at a class folder's place (.../<split>/<class>) or an image's, an image of another
+    kind, a class folder without an image."""
     splits = {folder for folders in SPLIT_DIRS.values() for folder in folders}
-    broken = {"a class folder": [], "a file": []}
-    for link in sorted(dangling):
-        *_, split, folder, name = ["", "", *link.split("/")]
+    again = ", then make the archive again"
+
+    def place(member: str) -> tuple[str, str, str]:
+        """The last three parts of a member's path: (split, class, file) for an image in a class folder."""
+        *_, split, folder, name = ["", "", *member.split("/")]
+        return split, folder, name
+
+    links = {"a class folder": [], "a file": []}
+    for link in sorted(archive.dangling):
+        split, folder, name = place(link)
         if hidden(folder) or hidden(name):
             continue
         if folder in splits:
-            broken["a class folder"].append(printable(f"{path}:{link}"))
+            links["a class folder"].append(printable(f"{path}:{link}"))
         elif split in splits and name.lower().endswith(IMAGE_SUFFIXES):
-            broken["a file"].append(printable(f"{path}:{link}"))
-    for what, links in broken.items():
-        if links:
-            raise broken_links(links, what, "the archive", ", then make the archive again")
+            links["a file"].append(printable(f"{path}:{link}"))
+    for what, broken in links.items():
+        if broken:
+            raise broken_links(broken, what, "the archive", again)
+    in_member_folder: dict[str, list[str]] = {}
+    for member in archive.files:
+        parent, _, name = member.rpartition("/")
+        in_member_folder.setdefault(parent, []).append(name)
+    held: dict[str, list[str]] = {}  # a folder's path, as unpacked ("./" and "//" gone) -> the names in it
+    for parent, names in in_member_folder.items():
+        held.setdefault(posixpath.normpath(parent), []).extend(names)
+    for folder in archive.folders:
+        parent, _, name = folder.rpartition("/")
+        held.setdefault(folder, [])
+        held.setdefault(parent, []).append(name + "/")
+    classes = sorted(f for f in held if place(f)[1] in splits and not hidden(place(f)[2]))
+    other = [printable(f"{path}:{folder}/{name}") for folder in classes for name in sorted(held[folder])
+             if name.lower().endswith(OTHER_IMAGE_SUFFIXES) and not hidden(name)]
+    if other:
+        raise other_kinds(other, "the archive", again)
+    for folder in classes:
+        if not any(name.lower().endswith(IMAGE_SUFFIXES) and not hidden(name) for name in held[folder]):
+            raise empty_class_folder(printable(f"{path}:{folder}"), held[folder], again)
 
 
 def python_batches(root: Path, members: dict[str, bytes] | None) -> dict[str, bytes] | None:

@@ -79,6 +79,25 @@ def broken_links(paths: list[str], what: str, where: str, then: str = "") -> Dat
                      f"link{then}")
 
 
+def other_kinds(paths: list[str], where: str, then: str = "") -> DataError:
+    """Images of other kinds (.webp, .bmp ...), the first named with how many more `where`
+    holds: left out without a word, the run trained on fewer images than the data shows
+    (torchvision's ImageFolder reads them)."""
+    more = f" (and {len(paths) - 1} more in {where})" if paths[1:] else ""
+    return DataError(f"{paths[0]}{more}: only .jpg/.jpeg/.png images are read; convert it to JPEG or PNG, or move it "
+                     f"out of the data set{then}")
+
+
+def empty_class_folder(path: str, held: list[str], then: str = "") -> DataError:
+    """A class folder without an image, named with what it `held` instead (a folder's name
+    ending in "/"): images in subfolders are not read, as they are no class's."""
+    held = sorted(held)
+    found = f" but {', '.join(held[:4])}{' ...' if len(held) > 4 else ''}" if held else ""
+    subfolders = " (images in its subfolders are not read)" if any(h.endswith("/") for h in held) else ""
+    return DataError(f"empty class folder {path}: it holds no .jpg/.jpeg/.png file{found}{subfolders}; add its images, "
+                     f"or remove the class's folder from every split (they need the same ones){then}")
+
+
 _listed: dict[Path, tuple[tuple, list[str], np.ndarray]] = {}  # folder -> (its folders' times, files, labels)
 _listing = threading.Lock()  # the planner and the data's thread list a split at once: one waits for the other
 
@@ -123,21 +142,16 @@ def _list_files(folder: Path, classes: list[str]) -> tuple[list[str], np.ndarray
     for k, name in enumerate(classes):
         entries = [e for e in os.scandir(folder / name) if not hidden(e.name)]
         other = sorted(e.name for e in entries if e.name.lower().endswith(OTHER_IMAGE_SUFFIXES))
-        if other:  # left out without a word, the run trained on fewer images than the folder shows
-            more = f" (and {len(other) - 1} more in its folder)" if other[1:] else ""
-            raise DataError(f"{printable(folder / name / other[0])}{more}: only .jpg/.jpeg/.png images are read; "
-                            "convert it to JPEG or PNG, or move it out of the data set")
+        if other:
+            raise other_kinds([printable(folder / name / o) for o in other], "its folder")
         images = [e for e in entries if e.name.lower().endswith(IMAGE_SUFFIXES)]
         broken = sorted(e.name for e in images if e.is_symlink() and not e.is_file())
         if broken:
             raise broken_links([printable(folder / name / b) for b in broken], "a file", "its folder")
         jpegs = sorted(e.name for e in images if e.is_file())
-        if not jpegs:  # what it holds instead: images in subfolders are not read (not a class's)
-            held = sorted(e.name + "/" if e.is_dir() else e.name for e in os.scandir(folder / name))
-            found = f" but {', '.join(held[:4])}{' ...' if len(held) > 4 else ''}" if held else ""
-            subfolders = " (images in its subfolders are not read)" if any(h.endswith("/") for h in held) else ""
-            raise DataError(f"empty class folder {printable(folder / name)}: it holds no .jpg/.jpeg/.png file{found}{subfolders}; "
-                            f"add its images, or remove the class's folder from every split (they need the same ones)")
+        if not jpegs:
+            raise empty_class_folder(printable(folder / name),
+                                     [e.name + "/" if e.is_dir() else e.name for e in os.scandir(folder / name)])
         files += [str(folder / name / f) for f in jpegs]
         labels += [k] * len(jpegs)
     return files, np.array(labels, np.int32)

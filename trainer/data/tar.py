@@ -6,16 +6,18 @@ H200's host). This reads only what finds a file: its name (ustar's prefix, GNU l
 pax paths), size and type, and checks each header's checksum so that a damaged archive is
 refused rather than misread. Hard and symbolic links read as they would once unpacked: one
 to a file in the archive as that file, one to a folder as that folder's files; one to
-anything else dangles, no file there, and is listed apart for the reader to name.
+anything else dangles, no file there, and is listed apart for the reader to name, as are
+the folders stored as members (an empty one is nothing else).
 """
 import gzip
 import posixpath
 import zlib
+from typing import NamedTuple
 
 BLOCK = 512
 GZIP_MAGIC = b"\x1f\x8b"
 FILE_TYPES = (b"0", b"\0", b"7")  # regular, old-style regular, contiguous
-HARD_LINK, SYMLINK = b"1", b"2"
+HARD_LINK, SYMLINK, DIRECTORY = b"1", b"2", b"5"
 MAX_HOPS = 40  # links followed for one path before it counts as a loop, as Linux's limit
 
 
@@ -128,15 +130,20 @@ def _with_links(files: dict[str, bytes], member: dict[str, str],
     return out, dangling
 
 
-def tar_files(archive: bytes) -> tuple[dict[str, bytes], list[str]]:
-    """({path: contents} of the regular files in a tar archive, gzip-compressed or not, and of
-    the links to them; the paths of the links to nothing in it)."""
+class Members(NamedTuple):
+    files: dict[str, bytes]  # path -> contents, of the regular files and the links to them
+    folders: set[str]  # the paths of the folders stored as members
+    dangling: list[str]  # the paths of the links to nothing in the archive
+
+
+def tar_files(archive: bytes) -> Members:
+    """What a tar archive, gzip-compressed or not, unpacks to."""
     try:
         data = gzip.decompress(archive) if archive[:2] == GZIP_MAGIC else archive
     except (EOFError, OSError, zlib.error) as e:  # cut short, a failed CRC, damaged deflate data
         raise Damaged(f"its gzip stream: {e}") from None
     # a later member of a name replaces an earlier one, as unpacking writes over it
-    files, cleaned, links, pos, next_name, next_link = {}, {}, {}, 0, None, None
+    files, cleaned, links, folders, pos, next_name, next_link = {}, {}, {}, set(), 0, None, None
     while True:
         header = data[pos:pos + BLOCK]
         if len(header) < BLOCK:  # cut between members, or inside a header
@@ -157,15 +164,17 @@ def tar_files(archive: bytes) -> tuple[dict[str, bytes], list[str]]:
         elif kind == b"x":  # pax: the next member's attributes, perhaps its path and link target
             next_name = _pax_value(body, b"path") or next_name
             next_link = _pax_value(body, b"linkpath") or next_link
-        elif kind in FILE_TYPES + (HARD_LINK, SYMLINK):
+        elif kind in FILE_TYPES + (HARD_LINK, SYMLINK, DIRECTORY):
             name = _text(header[:100].split(b"\0", 1)[0])
             prefix = header[345:500].split(b"\0", 1)[0] if header[257:262] == b"ustar" else b""
             name = next_name or (_text(prefix) + "/" + name if prefix else name)
             clean = _clean(name)
             target = next_link or _text(header[157:257].split(b"\0", 1)[0])
+            if kind == DIRECTORY:
+                folders.add(clean)
             # GNU tar stores a file named twice (tar czf a.tgz train test train) the second time as a hard
             # link to itself: unpacked, that is the file, once (taken as a link, it was a loop, left out)
-            if not (kind == HARD_LINK and _clean(target) == clean and clean in cleaned):
+            elif not (kind == HARD_LINK and _clean(target) == clean and clean in cleaned):
                 files.pop(cleaned.pop(clean, None), None)
                 links.pop(clean, None)
                 if kind in FILE_TYPES:
@@ -173,6 +182,7 @@ def tar_files(archive: bytes) -> tuple[dict[str, bytes], list[str]]:
                 else:  # a hard link names a member from the root; a symbolic one a path from its own folder
                     links[clean] = (target, kind == HARD_LINK)
             next_name = next_link = None
-        else:  # directories, devices, global pax headers: nothing to read
+        else:  # devices, global pax headers: nothing to read
             next_name = next_link = None
-    return _with_links(files, cleaned, links) if links else (files, [])
+    files, dangling = _with_links(files, cleaned, links) if links else (files, [])
+    return Members(files, folders, dangling)
