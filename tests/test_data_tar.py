@@ -71,6 +71,7 @@ def test_tar_files_reads_what_the_archive_unpacks_to(fmt, compress, tmp_path):
     assert LONG in expected and len(expected) == (13 if fmt == tarfile.USTAR_FORMAT else 14)
     members = tar_files(data)
     assert members.files == expected and members.dangling == ["train/dangling.jpg"] and members.folders == {"train"}
+    assert members.linked == {"val/frogs": "train/sub"}
 
 
 @pytest.mark.parametrize("links", [
@@ -94,7 +95,7 @@ def test_links_read_as_find_follows_them_unpacked(links, tmp_path):
             info = tarfile.TarInfo(name)
             info.type, info.linkname = tarfile.SYMTYPE, target
             tar.addfile(info)
-    files, _, dangling = tar_files(buffer.getvalue())
+    files, _, _, dangling = tar_files(buffer.getvalue())
     assert files == unpacked(buffer.getvalue(), tmp_path)
     assert sorted(dangling) == sorted(name for name, _ in links if not (tmp_path / name).exists())
 
@@ -290,3 +291,18 @@ def test_what_the_folder_reader_refuses_is_refused_in_the_archive_too(tmp_path, 
         empty = "empty class folder " if add.endswith("/") else ""
         with pytest.raises(DataError, match=f"^{empty}{shown}: {said}{then}$"):
             build_sources(cfg, CPU, 0, 1, None)
+
+
+def test_two_class_folders_that_are_one_through_a_link_in_an_archive_are_named_as_in_its_folder(tmp_path):
+    """Its images were trained under both labels, each the other's wrong answer."""
+    tree = tmp_path / "tree"
+    jpeg_tree(tree)
+    for split in ("train", "test"):
+        (tree / split / "dog").symlink_to("cat")
+    (tree / "test" / "frog").rename(tree / "frog")
+    (tree / "test" / "frog").symlink_to("../frog")  # a class folder elsewhere: its own images
+    path = archived(tree)
+    said = "are one folder, reached through a link: each class needs its own images; remove the link"
+    for root, named, then in ((tree, f"{tree}/", ""), (path, f"{path}:cifar10/", ", then make the archive again")):
+        with pytest.raises(DataError, match=f"^class folders {named}(train|test)/cat and {named}\\1/dog {said}{then}$"):
+            build_sources(cifar(root, num_classes=4, train_size=16, val_size=8), CPU, 0, 1, None)

@@ -20,7 +20,7 @@ from trainer.data import decoded_cache
 from trainer.data.dali import decode_all
 from trainer.data.jpeg_files import (IMAGE_SUFFIXES, OTHER_IMAGE_SUFFIXES, broken_links, check_bytes, class_folders,
                                      empty_class_folder, find_split, hidden, list_split, looking_into_folders,
-                                     other_kinds, printable, read_error, same_classes)
+                                     one_folder, other_kinds, printable, read_error, same_classes)
 from trainer.data.resident import ResidentSource
 from trainer.data.source import Shard, subset
 from trainer.data.tar import Damaged, Members, tar_files
@@ -50,10 +50,11 @@ def read_archive(path: Path, raw: bytes) -> dict[str, bytes]:
 
 
 def _refuse_left_out(path: Path, archive: Members):
-    """What the tree's folder reader names, named in its archive, where it was left out without
-    a word and a run trained on fewer classes or images than the archive shows: a link to
-    nothing at a class folder's place (.../<split>/<class>) or an image's, an image of another
-    kind, a class folder without an image."""
+    """What the tree's folder reader names, named in its archive: a link to nothing at a class
+    folder's place (.../<split>/<class>) or an image's, an image of another kind, a class folder
+    without an image (each left out without a word: the run trained on fewer classes or images
+    than the archive shows), two class folders that are one through a link (its images under
+    two labels)."""
     splits = {folder for folders in SPLIT_DIRS.values() for folder in folders}
     again = ", then make the archive again"
 
@@ -86,6 +87,11 @@ def _refuse_left_out(path: Path, archive: Members):
         held.setdefault(folder, [])
         held.setdefault(parent, []).append(name + "/")
     classes = sorted(f for f in held if place(f)[1] in splits and not hidden(place(f)[2]))
+    seen: dict[tuple[str, str], str] = {}  # (a split's folder, a class folder as it is, through links) -> its path
+    for folder in classes:
+        first = seen.setdefault((folder.rpartition("/")[0], archive.linked.get(folder, folder)), folder)
+        if first != folder:
+            raise one_folder(printable(f"{path}:{first}"), printable(f"{path}:{folder}"), again)
     other = [printable(f"{path}:{folder}/{name}") for folder in classes for name in sorted(held[folder])
              if name.lower().endswith(OTHER_IMAGE_SUFFIXES) and not hidden(name)]
     if other:

@@ -79,6 +79,13 @@ def broken_links(paths: list[str], what: str, where: str, then: str = "") -> Dat
                      f"link{then}")
 
 
+def one_folder(path: str, other: str, then: str = "") -> DataError:
+    """Two class folders that are one through a link: its images under two labels, each the
+    other's wrong answer."""
+    return DataError(f"class folders {path} and {other} are one folder, reached through a link: each class needs its "
+                     f"own images; remove the link{then}")
+
+
 def other_kinds(paths: list[str], where: str, then: str = "") -> DataError:
     """Images of other kinds (.webp, .bmp ...), the first named with how many more `where`
     holds: left out without a word, the run trained on fewer images than the data shows
@@ -127,8 +134,7 @@ def list_split(folder: Path) -> tuple[list[str], np.ndarray, list[str]]:
         for name in classes:  # links to one folder: its images under two labels, each the other's wrong answer
             other = seen.setdefault((stats[name].st_dev, stats[name].st_ino), name)
             if other != name:
-                raise DataError(f"class folders {printable(folder / other)} and {printable(folder / name)} are one "
-                                "folder, reached through a link: each class needs its own images; remove the link")
+                raise one_folder(printable(folder / other), printable(folder / name))
         stamp = tuple((name, st.st_mtime_ns) for name, st in stats.items())
         with _listing:
             if folder not in _listed or _listed[folder][0] != stamp:

@@ -7,7 +7,7 @@ pax paths), size and type, and checks each header's checksum so that a damaged a
 refused rather than misread. Hard and symbolic links read as they would once unpacked: one
 to a file in the archive as that file, one to a folder as that folder's files; one to
 anything else dangles, no file there, and is listed apart for the reader to name, as are
-the folders stored as members (an empty one is nothing else).
+the folders stored as members (an empty one is nothing else) and those a link leads to.
 """
 import gzip
 import posixpath
@@ -74,12 +74,13 @@ def _clean(name: str) -> str:
 
 
 def _with_links(files: dict[str, bytes], member: dict[str, str],
-                links: dict[str, tuple[str, bool]]) -> tuple[dict[str, bytes], list[str]]:
+                links: dict[str, tuple[str, bool]]) -> tuple[dict[str, bytes], dict[str, str], list[str]]:
     """`files` and what the archive's links read as once it is unpacked, each at a path
     that `find -L` lists there: a link to a file, that file's contents; a link to a folder,
     that folder's files under the link's path. A link reached through others is followed
     (at most MAX_HOPS of them for one path); a folder already above in the walk is a loop,
-    left out as `find -L` leaves it; a link to anything else dangles: its path is listed apart.
+    left out as `find -L` leaves it; a link to anything else dangles: its path is listed apart,
+    as is each folder reached through a link, with the folder it is.
     member: a file's path as unpacked -> its name in `files`; links: a link's path -> (its
     target, whether it is a hard link, named from the root)."""
     entries: dict[str, set[str]] = {}  # a folder's path ("" the root) -> the names in it
@@ -111,7 +112,7 @@ def _with_links(files: dict[str, bytes], member: dict[str, str],
             todo, done = target.split("/") + todo, "" if hard else done
         return done
 
-    out, dangling = dict(files), []
+    out, reached, dangling = dict(files), {}, []
 
     def walk(logical: str, folder: str, above: set[str], linked: bool):
         for name in sorted(entries.get(folder, ())):
@@ -122,17 +123,20 @@ def _with_links(files: dict[str, bytes], member: dict[str, str],
                 if through:
                     out[shown] = files[member[target]]
             elif target in entries:
+                if through:
+                    reached[shown] = target
                 if target not in above:
                     walk(shown, target, above | {target}, through)
             elif path in links:
                 dangling.append(shown)
     walk("", "", {""}, False)
-    return out, dangling
+    return out, reached, dangling
 
 
 class Members(NamedTuple):
     files: dict[str, bytes]  # path -> contents, of the regular files and the links to them
     folders: set[str]  # the paths of the folders stored as members
+    linked: dict[str, str]  # the path of a folder reached through a link -> the folder it is
     dangling: list[str]  # the paths of the links to nothing in the archive
 
 
@@ -184,5 +188,5 @@ def tar_files(archive: bytes) -> Members:
             next_name = next_link = None
         else:  # devices, global pax headers: nothing to read
             next_name = next_link = None
-    files, dangling = _with_links(files, cleaned, links) if links else (files, [])
-    return Members(files, folders, dangling)
+    files, linked, dangling = _with_links(files, cleaned, links) if links else (files, {}, [])
+    return Members(files, folders, linked, dangling)
