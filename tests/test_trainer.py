@@ -807,11 +807,13 @@ def test_a_model_option_that_changes_the_checkpoints_tensors_is_refused_by_name_
     """model.depth=32 given to evaluate, export or resume a ResNet-20's checkpoint was refused
     once the run had started, naming a region ("B_PREV_MEAN holds different tensors"), not
     the option; options that change no tensor (model.cudnn_benchmark) are the command's.
-    model=resnet18 with a model.depth it does not read was refused for that depth (not 6n+2)."""
+    model=resnet18 with a model.depth it does not read was refused for that depth (not 6n+2).
+    data.num_classes=5 was refused as model.num_classes, which follows it, an option not given."""
     assert run(tmp_path / "run", *TINY, "model=cifar_resnet20", "trainer.epochs=1").returncode == 0
     path = tmp_path / "run" / "checkpoints" / "epoch_0001.pt"
     for mode, given, said, advice in (
             ("eval", ["model.depth=32"], "model.depth: checkpoint 20, this run 32", "evaluation and export take"),
+            ("eval", ["data.num_classes=5"], "data.num_classes: checkpoint 10, this run 5", "evaluation and export take"),
             ("export", ["model.width=8", "model.cudnn_benchmark=false"], "model.width: checkpoint 16, this run 8",
              "evaluation and export take"),
             ("train", ["trainer.epochs=2", "model.depth=32", "model.width=8"],

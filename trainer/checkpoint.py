@@ -132,7 +132,9 @@ def check_model_tensors(path: Path, meta: dict, cfg, given: dict[str, tuple], ev
             model = make_model(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **{**written, **options})))
         return [(name, t.shape) for name, t in model.state_dict().items()]
     checkpoints = tensors()
-    why = [f"{key}: checkpoint {then!r}, this run {now!r}" for key, (then, now) in given.items()
+    # each named as a command line sets it: model.num_classes follows data.num_classes (ModelConfig)
+    why = [f"{'data.num_classes' if key == 'model.num_classes' else key}: checkpoint {then!r}, this run {now!r}"
+           for key, (then, now) in given.items()
            if key.startswith("model.") and tensors(**{key.removeprefix("model."): now}) != checkpoints]
     if why:
         raise _unfit(find_checkpoint(path), meta, "; ".join(why), True, evaluating)
