@@ -1248,6 +1248,37 @@ def test_export_of_an_epoch_that_was_not_evaluated_has_its_statistics(tmp_path):
         assert torch.equal(state[prefix + "running_var"], trained.arena[s.next_var].cpu()), name
 
 
+def test_an_export_that_found_the_disk_full_after_its_first_file_runs_again_once_there_is_room(tmp_path, monkeypatch):
+    """The disk filling after the export's first file: the message said to run the command again
+    once there was room, and the command was then refused, the weights written first making the
+    folder another run's results."""
+    import io
+
+    from trainer import run_dir
+    assert run(tmp_path / "run", *TINY, "trainer.epochs=1").returncode == 0
+    opened = []
+
+    class FullAfterOne(io.FileIO):
+        def __init__(self, *args):
+            super().__init__(*args)
+            opened.append(self.name)
+
+        def write(self, data):
+            if len(opened) > 1:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return super().write(data)
+    monkeypatch.setattr(run_dir, "open", FullAfterOne, raising=False)
+    export = ["mode=export", f"checkpoint={tmp_path / 'run'}"]
+    out = run(tmp_path / "export", *export)
+    assert out.returncode == 2 and len(opened) == 2, out.stdout + out.stderr
+    assert "(No space left on device); make room there, then run the command again\n" in out.stdout + out.stderr
+    monkeypatch.undo()
+    out = run(tmp_path / "export", *export)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert torch.load(tmp_path / "export" / "model_state_dict.pt", weights_only=True)
+    assert json.loads((tmp_path / "export" / "model.json").read_text())["model"]["name"] == "fastnet"
+
+
 def test_multirun_sweeps_two_jobs(tmp_path):
     out = run(tmp_path, "optimizer=sgd,lars", "trainer.epochs=1", *TINY, multirun=True)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -198,13 +198,15 @@ def run_export(cfg: TrainConfig, run_dir: Path):
     bind(model, tensors, arena)
     checkpoint.load(Path(path), arena, checkpoint.identity(cfg), model_only=True)
     if _is_main():
+        # what rebuilds the model the tensors fit, which .hydra/ (this command's) does not hold:
+        # the checkpoint's model options (a fast net's logit_scale is no tensor; a ResNet's stem).
+        # Written before the weights, which make the folder an export's (RESULTS): one that failed
+        # after them (a disk just full) left a folder that the same command, run again, was refused
+        with writing(run_dir / "model.json") as f:
+            f.write(json.dumps({"model": dataclasses.asdict(cfg.model), "checkpoint": str(path)}, indent=1).encode())
         weights = state_dict(tensors, arena, cfg.ema)
         with writing(run_dir / "model_state_dict.pt") as f:
             torch.save(weights, f)
-        # what rebuilds the model the tensors fit, which .hydra/ (this command's) does not hold:
-        # the checkpoint's model options (a fast net's logit_scale is no tensor; a ResNet's stem)
-        with writing(run_dir / "model.json") as f:
-            f.write(json.dumps({"model": dataclasses.asdict(cfg.model), "checkpoint": str(path)}, indent=1).encode())
         log.info("wrote %s and the model's options in %s (from %s)", run_dir / "model_state_dict.pt",
                  run_dir / "model.json", path)
 
