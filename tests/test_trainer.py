@@ -1627,6 +1627,31 @@ def test_eval_and_export_take_the_model_options_of_the_run_that_wrote_the_checkp
                                     "evaluation and export take them from the checkpoint") in out.stderr
 
 
+def test_an_evaluation_of_a_checkpoint_that_kept_the_model_options_alone_says_what_to_give(tmp_path):
+    """Checkpoints written before they kept every option of their run kept the model's alone:
+    evaluated, one took the defaults' data (another size of the embedded set, which another
+    training set's statistics normalize) without a word, as a resume did not. Export reads the
+    model's alone, which the oldest did not keep either."""
+    assert run(tmp_path / "run", *TINY, "trainer.epochs=1").returncode == 0
+    path = find_checkpoint(tmp_path / "run")
+    payload = torch.load(path, weights_only=True)
+    written = payload["meta"].pop("config")
+    payload["meta"]["options"] = {key: value for key, value in written.items()
+                                  if key in ("amp", "amp_dtype", "ema", "fold_bn", "data.num_classes")
+                                  or key.startswith("model.")}
+    torch.save(payload, path)
+    said = (f"[WARNING] - {path} was written before checkpoints kept every option of their run: give the options it "
+            "was started with (its run's .hydra/overrides.yaml lists them)\n")
+    out = run(tmp_path / "eval", "mode=eval", f"checkpoint={tmp_path / 'run'}")
+    assert out.returncode == 0 and said in out.stdout + out.stderr, out.stdout + out.stderr
+    out = run(tmp_path / "export", "mode=export", f"checkpoint={tmp_path / 'run'}")
+    assert out.returncode == 0 and "WARNING" not in out.stdout + out.stderr, out.stdout + out.stderr
+    del payload["meta"]["options"]  # older still: none kept, not the model's (a fast net's logit_scale is no tensor)
+    torch.save(payload, path)
+    out = run(tmp_path / "older", "mode=export", f"checkpoint={tmp_path / 'run'}")
+    assert out.returncode == 0 and said in out.stdout + out.stderr, out.stdout + out.stderr
+
+
 def test_a_command_line_gives_the_keys_it_names_its_groups_and_what_its_presets_change():
     """What a checkpoint's options may not override: a group's choice gives all its keys
     (model=cifar_resnet20 keeps its width 16 against a narrow checkpoint's 8), a preset

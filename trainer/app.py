@@ -146,7 +146,8 @@ def _take_options(cfg: TrainConfig, path: str, keys, hydra: DictConfig, task, sa
     from trainer import checkpoint
     meta = checkpoint.read(Path(path))["meta"]
     written = recorded(meta.get("config", meta.get("options", {})))  # "options": the model's alone, in older ones
-    if say and keys is RUN_OPTIONS and "config" not in meta:
+    # one that kept the model's alone ("options") holds all that an export reads; evaluated, it takes the defaults' data
+    if say and "config" not in meta and not (cfg.mode == "export" and "options" in meta):
         log.warning("%s was written before checkpoints kept every option of their run: give the options it was "
                     "started with (its run's .hydra/overrides.yaml lists them)", path)
     defaults = GlobalHydra.instance().config_loader().load_configuration(
