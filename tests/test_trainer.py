@@ -410,7 +410,8 @@ def test_ctrl_c_as_a_checkpoint_is_written_stops_the_run_and_leaves_no_part_of_i
 
 
 def test_a_file_that_cannot_be_written_for_its_permissions_is_not_called_a_full_disk(tmp_path):
-    """The advice after any write that failed was to make room there."""
+    """The advice after any write that failed was to make room there; with a folder where the
+    file goes (an export's model.json), to make it writable."""
     import errno
 
     from omegaconf import OmegaConf
@@ -420,7 +421,7 @@ def test_a_file_that_cannot_be_written_for_its_permissions_is_not_called_a_full_
     cfg, hydra = OmegaConf.create({"mode": "train"}), OmegaConf.create({"mode": "RUN"})
     then = f", then remove {tmp_path} and run the command again"
     for code, said in ((errno.ENOSPC, "make room there"), (errno.EACCES, "make it writable"),
-                       (errno.EROFS, "make it writable")):
+                       (errno.EROFS, "make it writable"), (errno.EISDIR, "move the folder that stands where it goes")):
         assert _once_there_is_room(WriteError("cannot write", code), cfg, tmp_path, hydra) == f"; {said}{then}"
 
 

@@ -690,7 +690,8 @@ def _once_there_is_room(e: WriteError, cfg: DictConfig, run_dir: Path, hydra: Di
     writable, then a training run continues from its newest checkpoint, if it has one; a
     sweep's job, with its sweep."""
     mend = ("make room there" if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else
-            "move the file that stands in its path" if e.errno in (errno.EEXIST, errno.ENOTDIR) else "make it writable")
+            "move the file that stands in its path" if e.errno in (errno.EEXIST, errno.ENOTDIR) else
+            "move the folder that stands where it goes" if e.errno == errno.EISDIR else "make it writable")
     if cfg.mode != "train":
         return f"; {mend}, then run the command again"
     if hydra.mode == RunMode.MULTIRUN:
