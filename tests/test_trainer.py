@@ -282,6 +282,28 @@ def test_ctrl_c_names_the_checkpoint_to_continue_from_which_resumes(tmp_path, se
     assert json.loads((tmp_path / "resumed" / "summary.json").read_text())["epochs"] == epoch + 1
 
 
+def test_a_resume_stopped_before_its_first_checkpoint_names_its_changed_options_to_continue_with(tmp_path):
+    """A resume that raised trainer.epochs and lowered optimizer.lr, interrupted before it saved a checkpoint of its
+    own, was told to continue with trainer.resume alone, which takes the options of the run that wrote the newest
+    checkpoint: that trained nothing more (its trainer.epochs were done), or at the old learning rate."""
+    assert run(tmp_path / "run", "trainer.epochs=1").returncode == 0
+    with started(command(tmp_path / "run", f"trainer.resume={tmp_path / 'run'}", "trainer.epochs=1000",
+                         "optimizer.lr=0.05"), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
+        printed = ""
+        while "epoch 2 step" not in printed:
+            line = proc.stdout.readline()
+            assert line, printed
+            printed += line
+        proc.send_signal(signal.SIGINT)
+        printed += proc.communicate(timeout=60)[0]
+    said = re.search(r"continue from epoch_0001\.pt with (.*) \(which takes this run's other options from it\)", printed)
+    assert said and said[1].split() == [f"trainer.resume={tmp_path / 'run'}", "trainer.epochs=1000", "optimizer.lr=0.05"], \
+        printed
+    assert run(tmp_path / "run", *said[1].split(), "trainer.stop_after_epoch=2").returncode == 0
+    written = torch.load(tmp_path / "run" / "checkpoints" / "epoch_0002.pt", weights_only=True)["meta"]["config"]
+    assert (written["trainer.epochs"], written["optimizer.lr"]) == (1000, 0.05)
+
+
 @pytest.mark.parametrize("sent, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl_c", "sigterm"])
 def test_the_signal_again_while_the_run_winds_down_ends_it_at_once_without_tracebacks(tmp_path, sent, status):
     """A user pressing Ctrl-C twice: the second one, sent here every 10 ms until the process

@@ -8,6 +8,7 @@ import itertools
 import json
 import logging
 import os
+import shlex
 import signal
 import sys
 import tempfile
@@ -643,7 +644,7 @@ def _where_to_continue(cfg: DictConfig, run_dir: Path, hydra: DictConfig) -> str
     if hydra.mode == RunMode.MULTIRUN:
         return f"; to go on, {_sweep_goes_on(run_dir, hydra)}" if saved(run_dir / "checkpoints") else \
             f" before this job's first checkpoint; {_sweep_goes_on(run_dir, hydra)}"
-    newest = _continue_from_newest(run_dir)
+    newest = _continue_from_newest(run_dir, cfg, hydra)
     if newest:
         return f"; {newest}"
     # a folder of its own, whose records refuse the same command (torchrun's job folder is named for it by its
@@ -652,14 +653,17 @@ def _where_to_continue(cfg: DictConfig, run_dir: Path, hydra: DictConfig) -> str
         return (f" before its first checkpoint: {run_dir} holds nothing to continue from; remove it and run the same "
                 "command again")
     if cfg.trainer.resume:  # a checkpoint outside a run's folder: a new folder each time
-        return f" before its first checkpoint; continue again from {continue_with(cfg.trainer.resume, _world())}"
+        again = continue_with(cfg.trainer.resume, _world(), _options_to_go_on(cfg, cfg.trainer.resume, hydra))
+        return f" before its first checkpoint; continue again from {again}"
     return " before the first checkpoint: nothing to continue from"
 
 
-def _to_go_on(run_dir: Path, hydra: DictConfig) -> str:
+def _to_go_on(cfg: DictConfig, run_dir: Path, hydra: DictConfig) -> str:
     """How a training run that stopped on a damaged data file, or on another rank's failure,
     goes on from its newest checkpoint: an epoch whose evaluation failed was saved first."""
-    return _sweep_goes_on(run_dir, hydra) if hydra.mode == RunMode.MULTIRUN else _continue_from_newest(run_dir)
+    if hydra.mode == RunMode.MULTIRUN:
+        return _sweep_goes_on(run_dir, hydra)
+    return _continue_from_newest(run_dir, cfg, hydra)
 
 
 def _sweep_goes_on(run_dir: Path, hydra: DictConfig) -> str:
@@ -673,12 +677,31 @@ def _sweep_goes_on(run_dir: Path, hydra: DictConfig) -> str:
     return f"remove {run_dir}, then {again}" if other_run(run_dir, "") else again
 
 
-def _continue_from_newest(run_dir: Path) -> str | None:
+def _continue_from_newest(run_dir: Path, cfg: DictConfig, hydra: DictConfig) -> str | None:
     """How to continue from the run folder's newest checkpoint, None where it has none."""
     found = saved(run_dir / "checkpoints")
     if not found:
         return None
-    return f"continue from {found[-1].name} with {continue_with(run_dir, _world())} (which takes this run's options from it)"
+    options = _options_to_go_on(cfg, run_dir, hydra)
+    return (f"continue from {found[-1].name} with {continue_with(run_dir, _world(), options)} (which takes this run's "
+            f"{'other ' if options else ''}options from it)")
+
+
+def _options_to_go_on(cfg: DictConfig, path, hydra: DictConfig) -> tuple[str, ...]:
+    """This command's overrides but trainer.resume, where it resumes and gives options otherwise than the run that
+    wrote the checkpoint at `path`: a resume that raised trainer.epochs or lowered optimizer.lr, stopped before it
+    saved a checkpoint of its own, went on with trainer.resume alone at that run's values, without a word. None
+    where the checkpoint keeps this command's options (one this run wrote)."""
+    if not cfg.trainer.resume:
+        return ()
+    try:
+        changed = _take_options(expand_paths(OmegaConf.to_object(cfg)), path, RUN_OPTIONS, hydra,
+                                hydra.overrides.task, say=False)[1]
+    except (TrainerError, OmegaConfBaseException):  # a checkpoint damaged since: the advice without them
+        return ()
+    if not changed:
+        return ()
+    return tuple(shlex.quote(o) for o in hydra.overrides.task if given([o]).keys() != {"trainer.resume"})
 
 
 def _world() -> int:
@@ -696,7 +719,8 @@ def _once_there_is_room(e: WriteError, cfg: DictConfig, run_dir: Path, hydra: Di
         return f"; {mend}, then run the command again"
     if hydra.mode == RunMode.MULTIRUN:
         return f"; {mend}, then {_sweep_goes_on(run_dir, hydra)}"
-    return f"; {mend}, then {_continue_from_newest(run_dir) or f'remove {run_dir} and run the command again'}"
+    newest = _continue_from_newest(run_dir, cfg, hydra)
+    return f"; {mend}, then {newest or f'remove {run_dir} and run the command again'}"
 
 
 class LogFile(logging.FileHandler):
@@ -868,7 +892,7 @@ def main(dict_cfg: DictConfig):
             if isinstance(e, (DataError, PeerError)) and dict_cfg.mode == "train" and _is_main() \
                     and saved(run_dir / "checkpoints"):
                 why += f"; {'once that is mended' if isinstance(e, DataError) else 'to go on'}, " \
-                       f"{_to_go_on(run_dir, HydraConfig.get())}{_restarts_left()}"
+                       f"{_to_go_on(dict_cfg, run_dir, HydraConfig.get())}{_restarts_left()}"
             log.error("%s", why, extra={"rank_0_says": others})
             _SAID.append(why)
         if others:

@@ -166,12 +166,13 @@ def restart_checkpoint(run_dir: Path) -> str:
     return str(run_dir) if found and _this_jobs(found[-1]) else ""
 
 
-def continue_with(run_dir: Path, world: int) -> str:
-    """How a run of `world` processes goes on from its folder's newest checkpoint: under
-    torchrun, with as many (with another number each BatchNorm normalizes over shares of
-    another size, which a resume says, and a sharded optimizer state is refused)."""
-    return override("trainer.resume", run_dir) + (f", under torchrun with {world} processes as this job"
-                                                  if world > 1 else "")
+def continue_with(run_dir: Path, world: int, options: tuple[str, ...] = ()) -> str:
+    """How a run of `world` processes goes on from its folder's newest checkpoint, with the
+    overrides `options` beside trainer.resume: under torchrun, with as many (with another
+    number each BatchNorm normalizes over shares of another size, which a resume says, and a
+    sharded optimizer state is refused)."""
+    return " ".join([override("trainer.resume", run_dir), *options]) + (
+        f", under torchrun with {world} processes as this job" if world > 1 else "")
 
 
 def override(key: str, value, shell: bool = True) -> str:
