@@ -887,6 +887,18 @@ def test_a_resume_on_another_schedule_length_says_where_the_learning_rate_moves(
                      r"learning rate at step 17 is 0.854 of its peak, where it was 0.5", caplog.text), caplog.text
 
 
+def test_a_resume_on_another_schedule_length_says_where_the_emas_warm_up_moves(tmp_path, caplog):
+    """The EMA's decay warms up as (step / the run's steps)^trainer.ema_warmup_power: a finished run made longer
+    went on averaging with a quarter of the decay it ended on, the average forgetting fast again, without a word."""
+    from trainer.loop import Trainer
+    common = ("schedule=constant", "ema=true", "trainer.ema_warmup_power=2")
+    train(tmp_path / "a", "trainer.epochs=2", *common)
+    with caplog.at_level("WARNING", logger="trainer"):
+        Trainer(config(*TINY, "trainer.epochs=4", *common, f"trainer.resume={tmp_path / 'a'}"), tmp_path / "a", Dist())
+    assert ("the EMA's decay, which warms up over the run's steps (trainer.ema_warmup_power=2), is 0.25 of its full "
+            "value there, where it was 1") in caplog.text, caplog.text
+
+
 def test_a_resume_goes_on_in_its_runs_folder_with_its_options_and_keeps_its_first_command_line(tmp_path):
     """Without hydra.run.dir a resumed run continues in the folder of the run it resumes,
     not in a new timestamped one, with the options that run was started with but for those

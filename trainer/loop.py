@@ -532,8 +532,20 @@ class Trainer:
             why = f"on a schedule of {then} steps and this run's has {self.total_steps} (another trainer.epochs)" + (
                 f" and {changed}" if changed else "")
         # the next step's number as its metrics row gives it, counted from 1
-        log.warning("%s was trained %s: the learning rate at step %d is %.3g of its peak, where it was %.3g", path,
-                    why, step + 1, now, before)
+        log.warning("%s was trained %s: the learning rate at step %d is %.3g of its peak, where it was %.3g%s", path,
+                    why, step + 1, now, before, self._ema_warm_up_moves(then, step, written))
+
+    def _ema_warm_up_moves(self, then: int, step: int, written: dict | None) -> str:
+        """What a schedule of another length does to EMA's warm-up, which raises the decay as (step / the run's
+        steps)^trainer.ema_warmup_power: at the end of a finished run the average forgot slowly, and over a run made
+        longer it forgets fast again (by the checkpoint's power, `written`, before)."""
+        power = self.cfg.trainer.ema_warmup_power
+        if not (self.cfg.ema and power) or then == self.total_steps:
+            return ""
+        was = (written or {}).get("trainer.ema_warmup_power", power)
+        now, before = (step / self.total_steps) ** power, (step / then) ** was
+        return (f"; the EMA's decay, which warms up over the run's steps (trainer.ema_warmup_power={power:g}), is "
+                f"{now:.3g} of its full value there, where it was {before:.3g}")
 
     def _records(self, run_dir: Path, claim: bool, enabled: bool) -> MetricsLog:
         """The run's metrics file. A training run may not write into another run's folder
