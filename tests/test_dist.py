@@ -387,7 +387,8 @@ def test_a_sharded_checkpoint_resumes_every_rank_share_and_its_model_loads_in_on
         (losses, state), (resumed_losses, resumed_state) = run["resumed"]
         assert resumed_losses == losses
         assert_same_state(state, resumed_state)
-        assert "sharded over 2 ranks, this run's over 1" in run["refused"]
+        assert ("sharded over 2 ranks, this run's is not sharded: resume with 2 processes under torchrun and "
+                "dist.shard_optimizer=true") in run["refused"]
         assert "leave those options out" not in run["refused"]  # no option of the command line differs
     for run in sharded_runs:  # the weights as they are, the BN statistics (EMA's too) averaged over the ranks
         assert len(run["model_only"]["same"]) > 4 and all(run["model_only"]["same"])
@@ -502,6 +503,44 @@ def test_a_killed_worker_is_restarted_and_the_job_resumes(e2e):
     # the sharded plan holds half the momentum on each rank
     sharded, replicated = (json.loads((run / "summary.json").read_text()) for run in (killed, e2e / "two"))
     assert sharded["arena_bytes"] < replicated["arena_bytes"] and sharded["peak_memory_bytes"] is None  # a CPU
+
+
+def test_a_resume_by_more_ranks_names_the_batch_size_once_and_trains_on_as_the_one_process(e2e, tmp_path):
+    """One process's run at batch 16 resumed by two ranks took its batch size, 16 a rank: each
+    rank refused it, saying to resume with the checkpoint's values, which it had. Rank 0 says
+    it now, naming the batch size that keeps the global batch; given it, the ranks train the
+    second epoch as the one process did (its BatchNorm in ghost batches), step by step."""
+    first, run_dir = e2e / "one" / "checkpoints" / "epoch_0001.pt", tmp_path / "run"
+    out = launch(run_dir, "device=cpu", f"trainer.resume={first}", restarts=0)
+    said = (f"{first} was trained by one process (without torchrun) at trainer.batch_size=16 (a global batch of 16) "
+            "in epochs of 8 steps, and this run's have 4 with 2 processes under torchrun: give trainer.batch_size=8 "
+            "for that global batch, or resume with one process (without torchrun)")
+    assert (out.stdout + out.stderr).count(said) == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    launch(run_dir, "device=cpu", f"trainer.resume={first}", f"trainer.batch_size={BATCH}")
+    assert "resume with one process (without torchrun) to go on as it was" in (run_dir / "run.log").read_text()
+    steps, one = records(run_dir)[0], records(e2e / "one")[0]
+    assert list(steps) == list(range(PER_EPOCH + 1, 2 * PER_EPOCH + 1))
+    torch.testing.assert_close(list(steps.values()), [one[s] for s in steps], rtol=1e-4, atol=0)
+
+
+def test_a_resume_by_fewer_ranks_names_the_batch_size_and_what_a_sharded_state_needs(e2e, tmp_path):
+    """Two ranks' runs resumed by one process: the replicated one trains on with the global
+    batch the refusal names, as the one process trained its second epoch; the sharded one is
+    refused naming the processes and option it resumes with (it said "sharded over 1 ranks"
+    of a replicated checkpoint, and to resume with "the same number of ranks")."""
+    replicated, run_dir = e2e / "two" / "checkpoints" / "epoch_0001.pt", tmp_path / "run"
+    out = launch(run_dir, "device=cpu", f"trainer.resume={replicated}", torchrun=False, restarts=0)
+    assert "give trainer.batch_size=16 for that global batch, or resume with 2 processes under torchrun" in out.stdout
+    launch(run_dir, "device=cpu", f"trainer.resume={replicated}", f"trainer.batch_size={WORLD * BATCH}", torchrun=False,
+           env={"TEST_GHOST_BN": str(WORLD)})
+    steps, one = records(run_dir)[0], records(e2e / "one")[0]
+    assert list(steps) == list(range(PER_EPOCH + 1, 2 * PER_EPOCH + 1))
+    torch.testing.assert_close(list(steps.values()), [one[s] for s in steps], rtol=1e-4, atol=0)
+    sharded = e2e / "outputs" / "torchrun" / "killed" / "checkpoints" / "epoch_0001.pt"
+    out = launch(tmp_path / "sharded", "device=cpu", f"trainer.resume={sharded}", f"trainer.batch_size={WORLD * BATCH}",
+                 torchrun=False, restarts=0)
+    assert ("its optimizer state is sharded over 2 ranks, this run's is not sharded: resume with 2 processes under "
+            "torchrun and dist.shard_optimizer=true") in out.stdout
 
 
 def gpu_ranks() -> int:

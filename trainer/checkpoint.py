@@ -21,7 +21,7 @@ from trainer.dtensor import ITEMSIZE
 from trainer.errors import CheckpointError
 from trainer.plan import Baseline, MemoryPlan
 from trainer.regions import Region
-from trainer.run_dir import CHECKPOINT_NAME, find_checkpoint, run_folder, saved, writing
+from trainer.run_dir import CHECKPOINT_NAME, find_checkpoint, processes, run_folder, saved, writing
 
 # Weights, EMA, half copies, BN statistics and optimizer moments: what training accumulates.
 STATE_REGIONS = tuple(r for r in Region if r.name[0] in "BWEAMVN")
@@ -275,9 +275,13 @@ def _changed(then: dict, now: dict, model_only: bool) -> list[str]:
 def _difference(payload: dict, plan: MemoryPlan, model_only: bool) -> tuple[str, bool]:
     """What differs between the layouts of the checkpoint and this run's plan, and whether
     it is options of the run, which the command line may have given otherwise."""
-    if not model_only and payload.get("shards", 1) != plan.config.shards:
-        return (f"its optimizer state is sharded over {payload.get('shards', 1)} ranks, this run's over "
-                f"{plan.config.shards} (resume with the same number of ranks and dist.shard_optimizer)"), False
+    shards = payload.get("shards", 1)
+    if not model_only and shards != plan.config.shards:
+        held = [f"sharded over {n} ranks" if n > 1 else "not sharded" for n in (shards, plan.config.shards)]
+        # a rank's share of each moment is laid out for its number of ranks; a whole one loads in any
+        how = (f"resume with {processes(shards)} and dist.shard_optimizer=true" if shards > 1
+               else "resume with dist.shard_optimizer=false, by any number of processes")
+        return f"its optimizer state is {held[0]}, this run's is {held[1]}: {how}", False
     for r in MODEL_REGIONS if model_only else STATE_REGIONS:
         ours = [t.name for t in plan.regions[r]]
         if payload["layout"].get(r.name) != ours:

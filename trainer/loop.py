@@ -30,7 +30,7 @@ from trainer.future import TensorFuture
 from trainer.metrics import MetricsLog, Stopwatch, plot_curves, read_summary, write_summary
 from trainer.plan import Baseline as B
 from trainer.regions import Region as R
-from trainer.run_dir import RECORDS, continue_with, other_run, restart_checkpoint, run_folder, saved, swept
+from trainer.run_dir import RECORDS, continue_with, other_run, processes, restart_checkpoint, run_folder, saved, swept
 from trainer.schedule import lr_multipliers
 from trainer.planner import bn_eps, first_conv
 from trainer.setup import assemble, use_device
@@ -73,18 +73,11 @@ class Trainer:
         self.images, self.train_seconds, self.first_step_s = 0, 0.0, None  # of this run, as train_epoch adds them
         self.trained_before = {"images": 0, "train_s": 0.0}  # by the runs this one resumes, to its checkpoint
         if t.resume:
-            done = checkpoint.load(Path(t.resume), self.arena, self.meta, dist.rank, model_only=evaluate_only)
-            self.start_epoch, self.history = done["epoch"], done.get("history", [])
-            self._check_classes(t.resume, done.get("classes"))
-            if not evaluate_only:
-                self.trained_before = done.get("trained") or self._trained_by_summary(t.resume, done.get("steps"))
-                self._check_epoch_length(t.resume, done.get("steps_per_epoch"), done.get("train_examples"),
-                                         done.get("config", {}))
-                self._check_world(t.resume, done.get("world"))
-                self._check_whole_epochs(t.resume, done.get("steps"))
-                self._check_schedule(t.resume, done.get("schedule_steps"),
-                                     done.get("steps", self.start_epoch * self.per_epoch), done.get("config"))
-                self.stopped = self._check_stop(t.resume)
+            try:
+                self._resume(t.resume, evaluate_only)
+            except Exception as error:  # noqa: BLE001 - every rank meets a refusal of the checkpoint alike, and
+                failure = error  # rank 0 alone says it; one rank's alone (its copy of the file) is named on the others
+            dist.raise_failures(failure, "resume")
             log.info("%s %s, saved after epoch %d", "evaluating" if evaluate_only else "resumed from", t.resume,
                      self.start_epoch)
         # claimed once the checkpoint is accepted: a refused start leaves the folder free for a corrected one;
@@ -126,6 +119,22 @@ class Trainer:
                             "warm_up_compile_capture": round(self.setup_s - ready, 3)}
         log.info("set-up %.1f s: data %.1f s beside model and plan %.1f s, then warm-up, compilation and capture "
                  "%.1f s", self.setup_s, *self.setup_parts.values())
+
+    def _resume(self, path: str, evaluate_only: bool):
+        """The checkpoint's state into the arena, and its checks against this run."""
+        done = checkpoint.load(Path(path), self.arena, self.meta, self.dist.rank, model_only=evaluate_only)
+        self.start_epoch, self.history = done["epoch"], done.get("history", [])
+        self._check_classes(path, done.get("classes"))
+        if evaluate_only:
+            return
+        self.trained_before = done.get("trained") or self._trained_by_summary(path, done.get("steps"))
+        self._check_epoch_length(path, done.get("steps_per_epoch"), done.get("train_examples"), done.get("config", {}),
+                                 done.get("world"))
+        self._check_world(path, done.get("world"))
+        self._check_whole_epochs(path, done.get("steps"))
+        self._check_schedule(path, done.get("schedule_steps"), done.get("steps", self.start_epoch * self.per_epoch),
+                             done.get("config"))
+        self.stopped = self._check_stop(path)
 
     def _assemble(self, cfg: TrainConfig, evaluate_only: bool) -> float:
         """The engine (model, plan, arena, graphs) and the data sources; the engine's own time."""
@@ -444,17 +453,19 @@ class Trainer:
         if then is not None and then != self.dist.world and self.dist.is_main:
             log.warning("%s was trained by %d process(es) and this run has %d: each BatchNorm normalizes over a "
                         "rank's share of the batch, so training goes on over shares of another size and ends "
-                        "otherwise than the run would have; resume under torchrun with %d processes to go on "
-                        "as it was", path, then, self.dist.world, then)
+                        "otherwise than the run would have; resume with %s to go on as it was", path, then,
+                        self.dist.world, processes(then))
 
-    def _check_epoch_length(self, path, saved: int | None, examples: int | None, written: dict):
+    def _check_epoch_length(self, path, saved: int | None, examples: int | None, written: dict, world: int | None):
         """A resumed run's epochs must have the checkpoint's number of steps (`saved`; None
         in checkpoints written before it was kept): the schedule, the data order and the step
         count go by the step, so other ones would train on from the wrong point of each (the
         learning rate jumping back, epochs cut short). `examples`: the training set's size
         the checkpoint was trained on (None before it was kept), `written` its options: with
         the same data.train_size, another size is the data set's own (images added to a
-        folder), which no option of the command line mends."""
+        folder), which no option of the command line mends. `world`: the processes that
+        trained it (None before it was kept); by another number, trainer.batch_size (a
+        process's) keeps the global batch only where the command line gives it anew."""
         total = self.train_source.shard.total
         changed = examples is not None and examples != total and written.get("data.train_size") == self.cfg.data.train_size
         if saved is None or saved == self.per_epoch:
@@ -467,6 +478,14 @@ class Trainer:
                 f"{path} was trained in epochs of {saved} steps, and this run's have {self.per_epoch}: its training "
                 f"set had {examples} examples and this run's has {total}: the data set changed; restore it, or start a "
                 "new run")
+        batch = written.get("trainer.batch_size")
+        if world not in (None, self.dist.world) and batch is not None:
+            kept = (f"give trainer.batch_size={batch * world // self.dist.world} for that global batch, or resume"
+                    if batch * world % self.dist.world == 0 else "resume")
+            raise ConfigError(
+                f"{path} was trained by {processes(world)} at trainer.batch_size={batch} (a global batch of "
+                f"{batch * world}) in epochs of {saved} steps, and this run's have {self.per_epoch} with "
+                f"{processes(self.dist.world)}: {kept} with {processes(world)}")
         raise ConfigError(
             f"{path} was trained in epochs of {saved} steps, and this run's have {self.per_epoch}: "
             "trainer.batch_size, data.train_size, trainer.drop_last or the number of ranks differ from the "

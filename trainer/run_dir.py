@@ -175,6 +175,11 @@ def continue_with(run_dir: Path, world: int, options: tuple[str, ...] = ()) -> s
         f", under torchrun with {world} processes as this job" if world > 1 else "")
 
 
+def processes(world: int) -> str:
+    """How a run of `world` processes is started, as a resume's advice names it."""
+    return f"{world} processes under torchrun" if world > 1 else "one process (without torchrun)"
+
+
 def override(key: str, value, shell: bool = True) -> str:
     """key=value as Hydra takes it from a command line (`shell`: as a shell's gives it): a value
     with more than letters, digits and ./_-~+@% (a comma, an =, brackets, quotes, spaces)
