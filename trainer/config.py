@@ -113,6 +113,8 @@ class TrainerConfig:
     batch_size: int = 128  # per GPU
     val_batch_size: int = 0  # 0: batch_size; one larger than a rank's share of the evaluation set is that share, one batch
     drop_last: bool = True  # training: leave out an epoch's last partial batch (evaluation always takes every example)
+    # (false: under torchrun the epoch's last (size % ranks) examples are still left out, a different few each
+    # epoch, so that every rank takes as many steps of as many examples)
     seed: int = 0
     label_smoothing: float = 0.0
     lowres_epochs: int = 0  # progressive resizing: train these first epochs at lowres_resolution
