@@ -39,6 +39,34 @@ runpy.run_path(sys.argv[0], run_name="__main__")
     assert "Traceback" not in out.stderr and (tmp_path / "sweep" / "0" / "plan.json").exists()
 
 
+A_BUG = """
+import runpy, sys
+from trainer import app
+def a_bug(cfg, run_dir):
+    raise RuntimeError("a bug in the trainer")
+app.MODES["plan"] = a_bug
+sys.argv = {argv!r}
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("multirun", [False, True])
+def test_an_unexpected_error_prints_its_traceback_once_and_keeps_it_in_the_log(tmp_path, multirun):
+    """An error that is no refusal (a bug): its traceback was printed twice, by the run's log on
+    the console and by Hydra. A sweep's job, whose failure Hydra does not print, prints it once
+    too, and the sweep goes on to its next job."""
+    argv = command(tmp_path / "run", "mode=plan", *(["trainer.seed=1,2"] if multirun else []), multirun=multirun)[1:]
+    out = subprocess.run([sys.executable, "-c", A_BUG.format(argv=argv)], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=120)
+    assert out.returncode != 0
+    said = out.stdout + out.stderr
+    assert said.count("Traceback (most recent call last)") == (2 if multirun else 1), said
+    assert "RuntimeError: a bug in the trainer" in said
+    logs = sorted((tmp_path / "run").glob("**/run.log"))
+    assert len(logs) == (2 if multirun else 1)
+    assert all("RuntimeError: a bug in the trainer" in log.read_text() for log in logs)
+
+
 SIGNALLED_IMPORT = """
 import runpy, signal, sys
 class Hook:

@@ -818,12 +818,13 @@ def say_refusal(why, alike: bool):
     print(why, file=sys.stderr)
 
 
-class RankZeroSays(logging.Filter):
-    """The console's filter (conf/hydra/job_logging/trainer.yaml): a line that rank 0 says for
-    this rank (say_refusal) is kept in the rank's log file alone."""
+class FileOnly(logging.Filter):
+    """The console's filter (conf/hydra/job_logging/trainer.yaml): a line logged with
+    extra={"file_only": True} is kept in the run's log file alone: a refusal that rank 0 says
+    for this rank (say_refusal), a traceback that Hydra prints on the console itself."""
 
     def filter(self, record):
-        return not getattr(record, "rank_0_says", False)
+        return not getattr(record, "file_only", False)
 
 
 _LAST_WORD = threading.Lock()  # rank 0's one line of why the run ended: the main thread's error, or torchrun's SIGTERM
@@ -893,7 +894,7 @@ def main(dict_cfg: DictConfig):
                     and saved(run_dir / "checkpoints"):
                 why += f"; {'once that is mended' if isinstance(e, DataError) else 'to go on'}, " \
                        f"{_to_go_on(dict_cfg, run_dir, HydraConfig.get())}{_restarts_left()}"
-            log.error("%s", why, extra={"rank_0_says": others})
+            log.error("%s", why, extra={"file_only": others})
             _SAID.append(why)
         if others:
             say_refusal(why, alike=True)
@@ -906,7 +907,9 @@ def main(dict_cfg: DictConfig):
     except Exception as e:
         if (signal_error := _raised_by_a_signal(e)) is not None:
             raise _stopped(signal_error, dict_cfg, run_dir) from None
-        log.exception("the run failed")  # into this rank's log file too, not only onto stderr
+        # into the run's log file; on the console Hydra prints the traceback itself, but for a sweep's job, whose
+        # failure is returned for the sweep to go on
+        log.exception("the run failed", extra={"file_only": not swept()})
         if swept():
             return JobFailed(f"{type(e).__name__}: {e}")  # the sweep goes on to its next job
         raise
