@@ -895,8 +895,23 @@ def test_a_resume_on_another_schedule_length_says_where_the_emas_warm_up_moves(t
     train(tmp_path / "a", "trainer.epochs=2", *common)
     with caplog.at_level("WARNING", logger="trainer"):
         Trainer(config(*TINY, "trainer.epochs=4", *common, f"trainer.resume={tmp_path / 'a'}"), tmp_path / "a", Dist())
-    assert ("the EMA's decay, which warms up over the run's steps (trainer.ema_warmup_power=2), is 0.25 of its full "
+    assert ("the learning rate at step 33 stays at 1 of its peak; "
+            "the EMA's decay, which warms up over the run's steps (trainer.ema_warmup_power=2), is 0.25 of its full "
             "value there, where it was 1") in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize("schedule", [("schedule=constant",), ("schedule=step", "schedule.milestones=[3]"),
+                                      ("schedule.warmup_epochs=2",)], ids=["constant", "step", "in_warm_up"])
+def test_a_resume_on_another_schedule_length_says_nothing_where_the_learning_rate_stays(tmp_path, caplog, schedule):
+    """A constant rate, a step schedule's milestones (in epochs) and a warm-up still climbing are where they were
+    at the resume point: "the learning rate at step 17 is 1 of its peak, where it was 1" said a move there was none."""
+    from trainer.loop import Trainer
+    train(tmp_path / "a", "trainer.epochs=2", "trainer.stop_after_epoch=1", *schedule)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="trainer"):
+        Trainer(config(*TINY, "trainer.epochs=4", *schedule, f"trainer.resume={tmp_path / 'a'}"), tmp_path / "a",
+                Dist())
+    assert "learning rate" not in caplog.text, caplog.text
 
 
 def test_a_resume_goes_on_in_its_runs_folder_with_its_options_and_keeps_its_first_command_line(tmp_path):

@@ -532,9 +532,10 @@ class Trainer:
     def _check_schedule(self, path, then: int | None, step: int, written: dict | None):
         """Another trainer.epochs lays the schedule over another number of steps (`then`, the
         checkpoint's), and other schedule options shape it otherwise: training on, or a
-        shorter run, as asked, but the learning rate moves at the resume point, `step`, which
-        is said where steps are left to train. Its value before is the checkpoint's schedule's
-        (`written`: its run's options; this run's in checkpoints written before they were kept)."""
+        shorter run, as asked, and where the learning rate (or EMA's warm-up) moves at the resume
+        point, `step`, that is said where steps are left to train; a constant rate, or a warm-up
+        still climbing, stays. Its value before is the checkpoint's schedule's (`written`: its
+        run's options; this run's in checkpoints written before they were kept)."""
         if then is None or step >= self.total_steps:
             return
         ours = {f.name: getattr(self.cfg.schedule, f.name) for f in fields(ScheduleConfig)}
@@ -543,7 +544,8 @@ class Trainer:
                            if value != ours[name])
         before = lr_multipliers(ScheduleConfig(**theirs), then, self.per_epoch)[min(step, then - 1)].item()
         now = lr_multipliers(self.cfg.schedule, self.total_steps, self.per_epoch)[step].item()
-        if then == self.total_steps and now == before:
+        ema = self._ema_warm_up_moves(then, step, written)
+        if now == before and not ema:
             return
         if then == self.total_steps:
             why = f"on another schedule: this run's {changed}"
@@ -551,8 +553,8 @@ class Trainer:
             why = f"on a schedule of {then} steps and this run's has {self.total_steps} (another trainer.epochs)" + (
                 f" and {changed}" if changed else "")
         # the next step's number as its metrics row gives it, counted from 1
-        log.warning("%s was trained %s: the learning rate at step %d is %.3g of its peak, where it was %.3g%s", path,
-                    why, step + 1, now, before, self._ema_warm_up_moves(then, step, written))
+        lr = f"stays at {now:.3g} of its peak" if now == before else f"is {now:.3g} of its peak, where it was {before:.3g}"
+        log.warning("%s was trained %s: the learning rate at step %d %s%s", path, why, step + 1, lr, ema)
 
     def _ema_warm_up_moves(self, then: int, step: int, written: dict | None) -> str:
         """What a schedule of another length does to EMA's warm-up, which raises the decay as (step / the run's
