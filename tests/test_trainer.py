@@ -32,6 +32,7 @@ from trainer.run_dir import find_checkpoint, saved
 
 CONF = ROOT / "conf"
 TINY = ["data.train_size=512", "data.val_size=128", "trainer.batch_size=32"]
+SMALL = ["data.train_size=64", "data.val_size=32", "trainer.batch_size=8", "device=cpu"]  # epochs of 8 steps
 
 
 def config(*overrides):
@@ -941,6 +942,23 @@ def test_a_resume_goes_on_in_its_runs_folder_with_its_options_and_keeps_its_firs
     assert f"trainer.resume={tmp_path / 'run'}" in (hydra / "resumed_1" / "overrides.yaml").read_text()
     older = run_py([*resume[:-1], f"trainer.resume={tmp_path / 'run' / 'checkpoints' / 'epoch_0002.pt'}"], tmp_path)
     assert older.returncode == 2 and "is not its run's newest checkpoint (epoch_0003.pt is)" in older.stderr
+
+
+def test_a_resume_says_the_options_it_gives_that_only_set_where_training_starts_have_no_effect(tmp_path):
+    """The head's initial weights, the first conv's and the initial loss scale are the checkpoint's on a resume:
+    given to it, they were listed among the options the command changes, and nothing said they changed nothing."""
+    first = run(tmp_path / "run", *SMALL, "amp=true", "trainer.epochs=2", "trainer.stop_after_epoch=1")
+    assert first.returncode == 0, first.stdout + first.stderr
+    out = run_py(["model.head_std=0.5", "trainer.first_conv_init=whiten", "trainer.grad_scale_init=1024",
+                  "trainer.log_every=7", f"trainer.resume={tmp_path / 'run'}"], tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    changes = next(line for line in out.stdout.splitlines() if "this command changes the options" in line)
+    assert changes.endswith(": trainer.log_every=7 (was 20)"), changes
+    for key, what in (("model.head_std=0.5", "the head's initial weights"),
+                      ("trainer.first_conv_init=whiten", "the first conv's initial weights"),
+                      ("trainer.grad_scale_init=1024.0", "the loss scale training starts from")):
+        assert (f"WARNING] - {key} has no effect: it sets {what}, and {tmp_path / 'run'} holds its run's own; start "
+                "a new run to use it") in out.stdout, out.stdout
 
 
 @pytest.mark.parametrize("multirun", [False, True], ids=["run", "sweep"])

@@ -28,9 +28,9 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from trainer.config import (CHECKPOINT_OPTIONS, GOING_ON, RUN_OPTIONS, TrainConfig, chosen_keys, expand_paths,
-                            first_line, given_changes, given_options, ignored, read_by, recorded, take_options,
-                            unread_by_mode, validate)
+from trainer.config import (CHECKPOINT_OPTIONS, GOING_ON, INITIAL_VALUES, RUN_OPTIONS, TrainConfig, chosen_keys,
+                            expand_paths, first_line, given_changes, given_options, ignored, read_by, recorded,
+                            replaced_by_checkpoint, take_options, unread_by_mode, validate)
 from trainer.errors import CheckpointError, ConfigError, DataError, PeerError, TrainerError, WriteError
 from trainer.run_dir import (continue_with, find_checkpoint, given, launched, other_run, override, ranks,
                              restart_checkpoint, restarted, resumed_folder, saved, swept, writing)
@@ -161,13 +161,16 @@ def _take_options(cfg: TrainConfig, path: str, keys, hydra: DictConfig, task, sa
     taken = {key: value for key, value in take_options(cfg, written, keys, named).items() if read_by(cfg, key)}
     # read by the model taken: model.depth given for a cifar_resnet's checkpoint, with the defaults' fastnet before
     changed = {key: values for key, values in given_changes(cfg, written, keys, named).items() if read_by(cfg, key)}
-    if changed and say:
+    listed = {key: values for key, values in changed.items() if key not in INITIAL_VALUES}  # those said below
+    if listed and say:
         log.info("this command changes the options of the run that wrote %s: %s", path,
-                 " ".join(f"{key}={now} (was {then})" for key, (then, now) in changed.items()))
+                 " ".join(f"{key}={now} (was {then})" for key, (then, now) in listed.items()))
     if taken and say:
         log.info("as the run that wrote %s: %s", path, " ".join(f"{key}={value}" for key, value in taken.items()))
-    # with the run's options: ema_decay without its EMA; and, evaluating, the optimizer's, which only training reads
-    for why in [*unread_by_mode(cfg, choices), *ignored(cfg, named)] if say and _is_main() else ():
+    # with the run's options: ema_decay without its EMA; evaluating, the optimizer's, which only training reads; and
+    # those that set where training starts (model.head_std), which the checkpoint holds
+    warnings = [*unread_by_mode(cfg, choices), *ignored(cfg, named), *replaced_by_checkpoint(path, changed)]
+    for why in warnings if say and _is_main() else ():
         log.warning("%s", why)
     return meta, changed
 

@@ -803,6 +803,21 @@ def ignored(cfg: TrainConfig, given: set[str] | None = None) -> list[str]:
     return [why for key, why in out if given is None or key in given]
 
 
+# Options that set only where training starts, which a checkpoint's state replaces: given to a
+# resume (or an evaluation) otherwise than its run's, they change nothing. Said, not refused, as
+# nothing goes wrong; a new run is what uses them.
+INITIAL_VALUES = {"model.head_std": "the head's initial weights",
+                  "trainer.first_conv_init": "the first conv's initial weights",
+                  "trainer.grad_scale_init": "the loss scale training starts from"}
+
+
+def replaced_by_checkpoint(path: str, changed: dict[str, tuple]) -> list[str]:
+    """Those of the options a command line changes from the run that wrote the checkpoint at `path`
+    (`changed`: its value and this run's, by key) that the checkpoint's state replaces."""
+    return [f"{key}={now} has no effect: it sets {INITIAL_VALUES[key]}, and {path} holds its run's own; start a new "
+            "run to use it" for key, (_, now) in changed.items() if key in INITIAL_VALUES]
+
+
 def plan_config(cfg: TrainConfig, schedule_steps: int, world: int = 1) -> PlanConfig:
     return PlanConfig(amp=cfg.amp, amp_dtype=cfg.amp_dtype, ema=cfg.ema, fold_bn=cfg.fold_bn,
                       optimizer=cfg.optimizer.name, schedule_steps=schedule_steps,
