@@ -961,6 +961,26 @@ def test_a_resume_says_the_options_it_gives_that_only_set_where_training_starts_
                 "a new run to use it") in out.stdout, out.stdout
 
 
+def test_a_resume_of_another_length_says_what_its_run_then_never_reaches(tmp_path):
+    """What a run's options set for later than its end is said as it starts (a step milestone after it), and a resume
+    that changes trainer.epochs says it for the run's new length: only the first length's was said, when the run
+    first started. What the first start said is not said again."""
+    step = ("schedule=step", "schedule.milestones=[3]")
+    first = run(tmp_path / "a", *SMALL, *step, "trainer.first_conv_freeze_epochs=3", "trainer.epochs=4",
+                "trainer.stop_after_epoch=1")
+    assert first.returncode == 0 and "WARNING" not in first.stdout, first.stdout + first.stderr
+    out = run_py(["trainer.epochs=2", f"trainer.resume={tmp_path / 'a'}"], tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert ("WARNING] - schedule.milestones=[3.0] fall after the run's end (trainer.epochs=2): the learning rate stays "
+            "at its peak") in out.stdout, out.stdout
+    assert ("WARNING] - trainer.first_conv_freeze_epochs=3 is not fewer than the run's 16 steps (trainer.epochs=2): "
+            "the first conv never freezes") in out.stdout, out.stdout
+    first = run(tmp_path / "b", *SMALL, *step, "trainer.epochs=2", "trainer.stop_after_epoch=1")
+    assert "schedule.milestones=[3.0] fall after the run's end (trainer.epochs=2)" in first.stdout, first.stdout
+    out = run_py([f"trainer.resume={tmp_path / 'b'}"], tmp_path)
+    assert out.returncode == 0 and "WARNING" not in out.stdout, out.stdout + out.stderr
+
+
 @pytest.mark.parametrize("multirun", [False, True], ids=["run", "sweep"])
 def test_a_run_folder_that_cannot_be_made_is_one_message(tmp_path, multirun):
     (tmp_path / "file").write_text("")  # a folder under a file cannot be made

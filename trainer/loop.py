@@ -5,6 +5,7 @@ Set-up reads top to bottom as the data flow of DESIGN.md: model -> plans -> aren
 bind -> range ops -> programs -> executor. In steady state the host only enqueues:
 it reads device values through TensorFutures at log steps and at the end of an epoch.
 """
+import copy
 import importlib
 import itertools
 import logging
@@ -20,7 +21,7 @@ import torch
 import kernels
 from trainer import checkpoint
 from trainer.arena import HALF
-from trainer.config import ScheduleConfig, TrainConfig, ignored, options, unreached
+from trainer.config import RUN_OPTIONS, ScheduleConfig, TrainConfig, ignored, options, take_options, unreached
 from trainer.data import build_sources, dataset_sizes, source_module
 from trainer.data.jpeg_files import forget_listings
 from trainer.dist import Dist, device_for
@@ -65,7 +66,7 @@ class Trainer:
         self.total_steps = self.plans.main.config.schedule_steps
         said = dist.is_main and not (evaluate_only or t.resume)
         for why in [*ignored(cfg), *unreached(cfg, self.per_epoch, self.total_steps)] if said else []:
-            log.warning("%s", why)  # once, as the run starts: not again on a resume or torchrun's restart
+            log.warning("%s", why)  # once, as the run starts: a resume says what it changes (_check_unreached)
         self.feeder = DoubleBuffer(self.arena, self.plans.tensors)
         self.meta = checkpoint.identity(cfg)
         self.start_epoch, self.history = 0, []
@@ -132,8 +133,9 @@ class Trainer:
                                  done.get("world"))
         self._check_world(path, done.get("world"))
         self._check_whole_epochs(path, done.get("steps"))
-        self._check_schedule(path, done.get("schedule_steps"), done.get("steps", self.start_epoch * self.per_epoch),
-                             done.get("config"))
+        step = done.get("steps", self.start_epoch * self.per_epoch)
+        self._check_schedule(path, done.get("schedule_steps"), step, done.get("config"))
+        self._check_unreached(done.get("schedule_steps"), step, done.get("config"))
         self.stopped = self._check_stop(path)
 
     def _assemble(self, cfg: TrainConfig, evaluate_only: bool) -> float:
@@ -555,6 +557,21 @@ class Trainer:
         # the next step's number as its metrics row gives it, counted from 1
         lr = f"stays at {now:.3g} of its peak" if now == before else f"is {now:.3g} of its peak, where it was {before:.3g}"
         log.warning("%s was trained %s: the learning rate at step %d %s%s", path, why, step + 1, lr, ema)
+
+    def _check_unreached(self, then: int | None, step: int, written: dict | None):
+        """What a run never reaches of what its options set for later (unreached) is said as it
+        starts; a resume that lays it over another length (`then`: the checkpoint's steps) or sets
+        those options otherwise says what its run, of the options `written`, did not, where steps
+        are left to train after `step`; not again where nothing changed (torchrun's restart). Both
+        are None in checkpoints written before they were kept: this run's are taken."""
+        if step >= self.total_steps:
+            return
+        before = copy.deepcopy(self.cfg)
+        take_options(before, written or {}, RUN_OPTIONS, set())
+        said = unreached(before, self.per_epoch, then or self.total_steps)
+        for why in unreached(self.cfg, self.per_epoch, self.total_steps) if self.dist.is_main else []:
+            if why not in said:
+                log.warning("%s", why)
 
     def _ema_warm_up_moves(self, then: int, step: int, written: dict | None) -> str:
         """What a schedule of another length does to EMA's warm-up, which raises the decay as (step / the run's
