@@ -788,15 +788,46 @@ def test_an_option_a_resume_or_an_evaluation_gives_without_effect_is_said(tmp_pa
 def test_the_options_only_training_reads_given_to_an_evaluation_or_export_are_said(tmp_path):
     """optimizer.lr=0.5 or optimizer=lars given to mode=eval or mode=export changed nothing
     without a word, as did data.tta=1 and graphs=false given to export, which evaluates nothing
-    and runs no step: each is named once, as written."""
+    and runs no step, and trainer.seed, data.seed_offset and trainer.drop_last given to either:
+    each is named once, as written, and the evaluation is the run's own."""
     assert run(tmp_path / "run", *TINY, "trainer.epochs=1").returncode == 0
-    given = ["optimizer=lars", "optimizer.lr=0.5", "trainer.epochs=5", "schedule.gamma=0.5", "data.tta=1", "graphs=false"]
+    # nor do the seed and drop_last: the evaluation set's order and views draw nothing from a seed
+    given = ["optimizer=lars", "optimizer.lr=0.5", "trainer.epochs=5", "schedule.gamma=0.5", "trainer.seed=3",
+             "data.seed_offset=2", "trainer.drop_last=false", "data.tta=1", "graphs=false"]
     for mode, unread in (("eval", given[:-2]), ("export", given)):
         out = run(tmp_path / mode, f"mode={mode}", f"checkpoint={tmp_path / 'run'}", *given)
         printed = out.stdout + out.stderr
         assert out.returncode == 0 and printed.count("has no effect") == len(unread), printed
         for key in unread:
             assert f"WARNING] - {key} has no effect with mode={mode}: it " in printed, printed
+    # those evaluation is said not to read change nothing of it
+    assert run(tmp_path / "unread", "mode=eval", f"checkpoint={tmp_path / 'run'}", *given[:-2]).returncode == 0
+    evaluated, trained = (json.loads((tmp_path / name / "summary.json").read_text()) for name in ("unread", "run"))
+    assert (evaluated["val_loss"], evaluated["val_top1"]) == (trained["val_loss"], trained["val_top1"])
+
+
+SMALL = ["data.train_size=64", "data.val_size=32", "trainer.batch_size=8", "trainer.epochs=1", "device=cpu"]
+
+
+def test_an_export_says_and_needs_none_of_the_data_and_trainer_options_it_does_not_read(tmp_path):
+    """mode=export reads the model's options alone: data=..., data.resolution or trainer.batch_size
+    given to it changed nothing without a word, the checkpoint's data.train_size and
+    trainer.batch_size were listed as taken, data=cifar10 was refused for its missing data.root
+    and data=imagefolder for its 1000 classes, against the checkpoint's 10."""
+    assert run(tmp_path / "run", *SMALL).returncode == 0
+    plain = run(tmp_path / "plain", "mode=export", f"checkpoint={tmp_path / 'run'}")
+    assert plain.returncode == 0 and "as the run that wrote" not in plain.stdout + plain.stderr, plain.stdout
+    weights = torch.load(tmp_path / "plain" / "model_state_dict.pt", weights_only=True)
+    given = ["data.train_size=128", "data.resolution=24", "trainer.batch_size=4"]
+    for data in ("cifar10", "imagefolder"):
+        out = run(tmp_path / data, "mode=export", f"checkpoint={tmp_path / 'run'}", f"data={data}", *given)
+        printed = out.stdout + out.stderr
+        assert out.returncode == 0 and printed.count("has no effect") == 4, printed
+        for key in (f"data={data}", *given):
+            assert f"WARNING] - {key} has no effect with mode=export: it writes out" in printed, printed
+        assert "as the run that wrote" not in printed, printed
+        exported = torch.load(tmp_path / data / "model_state_dict.pt", weights_only=True)
+        assert exported.keys() == weights.keys() and all(torch.equal(exported[k], weights[k]) for k in weights)
 
 
 def test_an_evaluation_given_two_checkpoints_is_refused(tmp_path):

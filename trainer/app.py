@@ -30,7 +30,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from trainer.config import (CHECKPOINT_OPTIONS, GOING_ON, INITIAL_VALUES, RUN_OPTIONS, TrainConfig, chosen_keys,
                             expand_paths, first_line, given_changes, given_options, ignored, read_by, recorded,
-                            replaced_by_checkpoint, take_options, unread_by_mode, validate)
+                            replaced_by_checkpoint, take_options, unread_by_mode, unread_in, validate)
 from trainer.errors import CheckpointError, ConfigError, DataError, PeerError, TrainerError, WriteError
 from trainer.run_dir import (continue_with, find_checkpoint, given, launched, other_run, override, ranks,
                              restart_checkpoint, restarted, resumed_folder, saved, swept, writing)
@@ -78,7 +78,7 @@ def _configured(dict_cfg: DictConfig, run_dir: Path, hydra: DictConfig, task, sa
     `say`: log what it takes (not while a sweep checks its jobs before the first)."""
     from trainer import checkpoint
     try:
-        cfg = expand_paths(OmegaConf.to_object(dict_cfg))
+        cfg = expand_paths(OmegaConf.to_object(_read_by_mode(dict_cfg, hydra, task)))
     except OmegaConfBaseException as e:
         raise _unresolved(e) from None
     meta, changed = {}, {}  # of the checkpoint read: its meta, and the options given otherwise than its run's
@@ -101,6 +101,22 @@ def _configured(dict_cfg: DictConfig, run_dir: Path, hydra: DictConfig, task, sa
     if changed:  # once validated: a model of a depth validate refuses would fail to build, in torch's words
         checkpoint.check_model_tensors(Path(cfg.trainer.resume), meta, cfg, changed, evaluating=cfg.mode != "train")
     return cfg
+
+
+def _read_by_mode(dict_cfg: DictConfig, hydra: DictConfig, task) -> DictConfig:
+    """dict_cfg, composed again without the overrides `task` gives that its mode does not read
+    (config.unread_in: optimizer=lars evaluating, data=cifar10 exporting), where it gives any:
+    neither what their groups set that the mode reads (data=imagefolder's 1000 classes, in
+    an export of a 10 classes' checkpoint) nor a value of theirs that the checks refuse
+    (data=cifar10 without data.root) has any effect then. _take_options says them."""
+    read = [o for o in task if not unread_in(dict_cfg.mode, o.partition("=")[0].lstrip("+~"))]
+    if len(read) == len(task):
+        return dict_cfg
+    composed = GlobalHydra.instance().config_loader().load_configuration(
+        hydra.job.config_name, [*hydra.overrides.hydra, *read], RunMode.RUN)
+    with open_dict(composed):
+        del composed["hydra"]
+    return composed
 
 
 def _one_checkpoint(a: str, b: str) -> bool:
@@ -156,7 +172,8 @@ def _take_options(cfg: TrainConfig, path: str, keys, hydra: DictConfig, task, sa
     with open_dict(defaults):
         del defaults["hydra"]
     choices = given(task)
-    named = given_options(cfg, {*choices, *chosen_keys(choices)}, expand_paths(OmegaConf.to_object(defaults)))
+    read = {key: value for key, value in choices.items() if not unread_in(cfg.mode, key)}  # _read_by_mode's
+    named = given_options(cfg, {*read, *chosen_keys(read)}, expand_paths(OmegaConf.to_object(defaults)))
     # those this configuration reads: a ResNet's checkpoint sets fastnet's model.widths too, without effect
     taken = {key: value for key, value in take_options(cfg, written, keys, named).items() if read_by(cfg, key)}
     # read by the model taken: model.depth given for a cifar_resnet's checkpoint, with the defaults' fastnet before

@@ -268,7 +268,7 @@ def options(cfg: TrainConfig) -> dict[str, Any]:
 # Evaluation and export take them where their command line does not give them.
 CHECKPOINT_OPTIONS = ("amp", "amp_dtype", "ema", "fold_bn", "data.name", "data.root", "data.num_classes",
                       "data.resolution", "data.train_size", "data.val_size", "data.val_resize", "data.tta",
-                      "trainer.batch_size", "trainer.drop_last", *(f"model.{f.name}" for f in fields(ModelConfig)))
+                      "trainer.batch_size", *(f"model.{f.name}" for f in fields(ModelConfig)))
 # What one command asks, not what its run is: a resumed run takes every other option from
 # its checkpoint where its command line does not give it, so that it trains on as it began.
 _INVOCATION = ("mode", "checkpoint", "trainer.resume", "trainer.stop_after_epoch", "dist.plan_ranks")
@@ -749,43 +749,46 @@ _READ_ONLY_WITH = {
 }
 
 
-# What the modes that read a checkpoint's weights do not read: evaluation trains nothing, export
-# neither trains nor evaluates. Keys and groups (optimizer=...); given to the mode, each is said,
-# as ignored() says an option its configuration does not read (a sweep may cross one with it).
+# What the modes that read a checkpoint's weights do not read: evaluation trains nothing (its order of the
+# evaluation set, its views and its data draw nothing from a seed, and it runs no backward, which reads the packed
+# ReLU masks); export builds the model alone, on the CPU, and neither trains nor evaluates it: of the data set and
+# the trainer's options it reads the number of classes (the model's) and the checkpoint alone. Keys and groups
+# (optimizer=..., data=...); given to the mode, each is said, as ignored() says an option its configuration does
+# not read (a sweep may cross one with it), and the configuration is composed without it (app._read_by_mode).
 _TRAINING = ("optimizer", "schedule", "ema_decay", "dist.shard_optimizer", "dist.deep_conv_buckets",
-             *(f"data.{key}" for key in ("crop_padding", "flip", "cutout", "min_crop_area")),
-             *(f"trainer.{key}" for key in ("epochs", "label_smoothing", "lowres_epochs", "lowres_resolution",
-                                            "first_conv_init", "first_conv_freeze_epochs", "stem_norm_freeze_epochs",
-                                            "ema_every", "ema_warmup_power", "lookahead", "checkpoint_every",
-                                            "keep_checkpoints", "stop_after_epoch", "log_every", "eval_every",
-                                            "grad_scale_init", "grad_scale_growth_interval")))
-_EVALUATION = ("trainer.val_batch_size",
-               *(f"data.{key}" for key in ("root", "val_size", "val_resize", "tta", "host_decode", "check_files",
-                                           "threads", "decode_cache")))
+             "model.pack_relu_masks",
+             *(f"data.{key}" for key in ("crop_padding", "flip", "cutout", "min_crop_area", "seed_offset")),
+             *(f"trainer.{key}" for key in ("epochs", "drop_last", "seed", "label_smoothing", "lowres_epochs",
+                                            "lowres_resolution", "first_conv_init", "first_conv_freeze_epochs",
+                                            "stem_norm_freeze_epochs", "ema_every", "ema_warmup_power", "lookahead",
+                                            "checkpoint_every", "keep_checkpoints", "stop_after_epoch", "log_every",
+                                            "eval_every", "grad_scale_init", "grad_scale_growth_interval")))
 # where and how the model's steps run: export copies the weights out on the CPU and runs none
-_RUNNING = ("device", "graphs", "kernels", "compile", "compile_options", "compile_cache", "deterministic")
-_UNREAD_BY_MODE = {"eval": (_TRAINING, "it evaluates the checkpoint's weights and trains nothing"),
-                   "export": (_TRAINING + _EVALUATION + _RUNNING,
+_RUNNING = ("device", "graphs", "kernels", "compile", "compile_options", "compile_cache", "deterministic",
+            "model.cudnn_benchmark")
+_UNREAD_BY_MODE = {"eval": (_TRAINING, (), "it evaluates the checkpoint's weights and trains nothing"),
+                   "export": (_TRAINING + _RUNNING + ("data", "trainer", "dist"), ("data.num_classes", "trainer.resume"),
                               "it writes out the checkpoint's weights, on the CPU, and neither trains nor evaluates "
                               "them")}
 
 
-def _unread_by_mode(mode: str, key: str) -> bool:
-    unread = _UNREAD_BY_MODE[mode][0] if mode in _UNREAD_BY_MODE else ()
-    return any(key == name or key.startswith(name + ".") for name in unread)
+def unread_in(mode: str, key: str) -> bool:
+    """Whether `mode` reads the option or group `key` in no configuration (optimizer= evaluating, data= exporting)."""
+    unread, read, _ = _UNREAD_BY_MODE.get(mode, ((), (), ""))
+    return any(key == name or key.startswith(name + ".") for name in unread) and key not in read
 
 
 def unread_by_mode(cfg: TrainConfig, given: dict[str, str]) -> list[str]:
     """Those of the options a command line gives (`given`: its keys and values as written,
     optimizer=lars as such) that cfg's mode does not read at all: training's in mode=eval."""
-    return [f"{key}={value} has no effect with mode={cfg.mode}: {_UNREAD_BY_MODE[cfg.mode][1]}"
-            for key, value in given.items() if _unread_by_mode(cfg.mode, key)]
+    return [f"{key}={value} has no effect with mode={cfg.mode}: {_UNREAD_BY_MODE[cfg.mode][2]}"
+            for key, value in given.items() if unread_in(cfg.mode, key)]
 
 
 def read_by(cfg: TrainConfig, key: str) -> bool:
     """Whether this configuration reads the option `key` (model.widths only a fastnet model; data.tta
     any mode but export)."""
-    return (key not in _READ_ONLY_WITH or _READ_ONLY_WITH[key][0](cfg)) and not _unread_by_mode(cfg.mode, key)
+    return (key not in _READ_ONLY_WITH or _READ_ONLY_WITH[key][0](cfg)) and not unread_in(cfg.mode, key)
 
 
 def ignored(cfg: TrainConfig, given: set[str] | None = None) -> list[str]:
@@ -797,7 +800,7 @@ def ignored(cfg: TrainConfig, given: set[str] | None = None) -> list[str]:
     out = [(key, f"{key}={now[key]} has no effect: it is read only with {which}")
            for key, (reads, which) in _READ_ONLY_WITH.items()
            # unread_by_mode says those the mode reads in no configuration
-           if now[key] != defaults[key] and not reads(cfg) and not _unread_by_mode(cfg.mode, key)]
+           if now[key] != defaults[key] and not reads(cfg) and not unread_in(cfg.mode, key)]
     out += [(key, f"{key}={value} has no effect: it is read only with mode=bench") for key, value in now.items()
             if key.startswith("bench.") and cfg.mode != "bench" and value != defaults[key]]
     return [why for key, why in out if given is None or key in given]
