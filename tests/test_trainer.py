@@ -830,6 +830,27 @@ def test_an_export_says_and_needs_none_of_the_data_and_trainer_options_it_does_n
         assert exported.keys() == weights.keys() and all(torch.equal(exported[k], weights[k]) for k in weights)
 
 
+def test_an_evaluation_of_a_checkpoint_older_than_model_fingerprints_takes_its_optimizer(tmp_path):
+    """A checkpoint written before checkpoints kept their model's fingerprint (and their run's
+    options) is restored whole, its optimizer's state too: evaluating one of optimizer=lars
+    was refused ("region N_FC_WEIGHT holds different tensors") unless optimizer=lars was
+    given, which was then said to have no effect. The checkpoint's optimizer is planned."""
+    assert run(tmp_path / "run", *SMALL, "optimizer=lars").returncode == 0
+    path = find_checkpoint(tmp_path / "run")
+    payload = torch.load(path, weights_only=True)
+    for key in ("model_fingerprint", "offsets", "region_bytes"):
+        del payload[key]
+    del payload["meta"]["config"]
+    torch.save(payload, path)
+    final = json.loads((tmp_path / "run" / "summary.json").read_text())["val_loss"]
+    for given in ([], ["optimizer=lars"], ["optimizer=adam"]):
+        folder = tmp_path / f"eval_{given[0].partition('=')[2] if given else 'plain'}"
+        out = run(folder, "mode=eval", f"checkpoint={tmp_path / 'run'}", *SMALL[:3], *given)
+        printed = out.stdout + out.stderr
+        assert out.returncode == 0 and printed.count("has no effect with mode=eval") == len(given), printed
+        assert json.loads((folder / "summary.json").read_text())["val_loss"] == final
+
+
 def test_an_evaluation_given_two_checkpoints_is_refused(tmp_path):
     """checkpoint= and trainer.resume= (which mode=eval reads where checkpoint= is not given)
     naming two: the second was ignored without a word, even where it named nothing."""

@@ -98,6 +98,11 @@ def _configured(dict_cfg: DictConfig, run_dir: Path, hydra: DictConfig, task, sa
         # model=resnet18 (or ema=true) given for a fastnet's: refused before the run's folder is made
         checkpoint.check_model_options(Path(cfg.trainer.resume), meta, checkpoint.identity(cfg))
     validate(cfg)
+    if cfg.mode in ("eval", "export"):
+        # planned with the checkpoint's optimizer: one written before checkpoints kept their model's fingerprint is
+        # restored whole, its optimizer's state too (checkpoint.load); set once validated, as the optimizer's other
+        # options, which neither mode reads, are composed for another (app._read_by_mode)
+        cfg.optimizer.name = meta["optimizer"]
     if changed:  # once validated: a model of a depth validate refuses would fail to build, in torch's words
         checkpoint.check_model_tensors(Path(cfg.trainer.resume), meta, cfg, changed, evaluating=cfg.mode != "train")
     return cfg
