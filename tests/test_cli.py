@@ -225,6 +225,19 @@ def test_a_sweep_stopped_by_stop_after_epoch_goes_on_with_a_later_stop_or_none(t
     assert sorted(p.name for p in (sweep / "0" / "checkpoints").iterdir()) == ["epoch_0002.pt", "epoch_0003.pt"]
 
 
+def test_a_sweep_in_a_folder_given_under_home_goes_on_there(tmp_path):
+    """hydra.sweep.dir='~/sweep': its jobs' folders were checked as ~/sweep/N in the current
+    folder, so the same command run again took the jobs it found in the home folder's for
+    another sweep's, and refused to go on."""
+    args = ["-m", "hydra.sweep.dir='~/sweep'", *SMALL, "trainer.epochs=1", "trainer.seed=1,2"]
+    home = {"HOME": str(tmp_path)}
+    assert run_py(args, tmp_path, home).returncode == 0
+    summary = (tmp_path / "sweep" / "1" / "summary.json").read_bytes()
+    again = run_py(args, tmp_path, home)
+    assert again.returncode == 0 and "nothing left to train" in again.stdout, again.stdout + again.stderr
+    assert (tmp_path / "sweep" / "1" / "summary.json").read_bytes() == summary and not (tmp_path / "~").exists()
+
+
 def test_a_sweep_kept_without_its_jobs_overrides_says_how_to_go_on(tmp_path):
     """Under hydra.output_subdir=null its jobs' folders keep no overrides.yaml to match them
     by; the refusal called them another sweep's."""

@@ -1511,6 +1511,8 @@ def test_a_sweep_whose_late_job_its_set_up_would_refuse_runs_no_job(tmp_path, mo
     (["hydra.run.dir=run", "trainer.resume=none"], "no checkpoint at TMP/none: give a checkpoint file, or a run directory"),
     (["hydra.run.dir=run", "mode=eval", "checkpoint=none"], "no checkpoint at TMP/none: give a checkpoint file"),
     (["hydra.run.dir="], "hydra.run.dir is empty: give the run a folder (hydra.run.dir=...)"),
+    (["-m", "hydra.sweep.dir=", "mode=plan", "trainer.seed=1,2"],
+     "hydra.sweep.dir is empty: give the run a folder (hydra.sweep.dir=...)"),
     (["hydra.run.dir=run", "trainer.epochs=-1"], "trainer.epochs=-1.0 must be positive\n"),
     (["hydra.run.dir=run", "trainer.seed=1,2"], "trainer.seed=1,2 sweeps over values, which only a sweep runs: add -m "
                                                "(--multirun) for a job each\n"),
@@ -1523,8 +1525,8 @@ def test_a_sweep_whose_late_job_its_set_up_would_refuse_runs_no_job(tmp_path, mo
     (["hydra.run.dir=run", "schedule=step", "schedule.milestones=[1,[2]]"],
      "schedule.milestones=[1.0, [2]]: each is a number of epochs\n"),
 ], ids=["a sweep's misspelled option", "a sweep's job Hydra refuses", "resume", "eval", "empty run folder",
-        "a value the checks refuse", "a sweep without -m", "a list's sweep without -m", "a path with a comma",
-        "a list in a list"])
+        "empty sweep folder", "a value the checks refuse", "a sweep without -m", "a list's sweep without -m",
+        "a path with a comma", "a list in a list"])
 def test_a_command_that_cannot_start_says_why_and_leaves_no_folder(tmp_path, args, said):
     """Before Hydra makes the run's folder (an empty run folder is the current one) or writes
     a sweep's multirun.yaml, and without a warning from Hydra's callback machinery."""
@@ -1557,6 +1559,8 @@ def test_a_sweep_named_by_job_id_checks_every_job_first(tmp_path):
     out = run(tmp_path, "mode=plan", "optimizer.lr=0.1,-1", "hydra.sweep.subdir=${hydra.job.id}", multirun=True)
     assert out.returncode == 2 and out.stderr.strip().endswith("must not be negative; no job has run"), out.stderr
     assert not (tmp_path / "0").exists()
+    out = run(tmp_path, "mode=plan", "optimizer.lr=0.1,0.2", "hydra.sweep.subdir=${hydra.job.id}", multirun=True)
+    assert out.returncode == 0 and (tmp_path / "1" / "plan.json").exists(), out.stderr
 
 
 def test_a_sweep_counts_a_job_that_crashed_and_goes_on(tmp_path, capsys):

@@ -335,6 +335,8 @@ class RunDirectory(Callback):
             _validate_jobs(config)
             _new_folder(config, "sweep")
         else:
+            _refuse_empty(config.hydra.sweep.dir, "hydra.sweep.dir")  # made absolute, it would be the current folder
+            _pin_sweep_folder(config)  # its jobs' folders, which _validate_jobs checks, composed with ~ expanded
             sweep = Path(config.hydra.sweep.dir)
             earlier = _failed_before(sweep)
             # their folders; None for a sweeper that chooses them as it goes
@@ -349,13 +351,7 @@ class RunDirectory(Callback):
             failed = [earlier[number] for folder, number in sorted(jobs.items(), key=lambda item: item[1])
                       if number in earlier and _stands_failed(folder)] if jobs else []
             _write_jobs(Path(config.hydra.sweep.dir) / JOBS, failed)
-        # the launcher composes each job's configuration again from these: the folder made (or with ~ expanded),
-        # absolute, as a job under hydra.job.chdir=true reads it from its own folder
-        with open_dict(config):
-            config.hydra.sweep.dir = os.path.abspath(config.hydra.sweep.dir)
-            config.hydra.overrides.hydra = [
-                *(o for o in config.hydra.overrides.hydra if not o.lstrip("+~").startswith("hydra.sweep.dir=")),
-                override("hydra.sweep.dir", config.hydra.sweep.dir, shell=False)]
+        _pin_sweep_folder(config)
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs):
         if config.hydra.mode != RunMode.MULTIRUN:
@@ -570,6 +566,21 @@ def _expand_home(config: DictConfig, kind: str):
             config.hydra[kind].dir = os.path.expanduser(config.hydra[kind].dir)
 
 
+def _pin_sweep_folder(config: DictConfig):
+    """The sweep's folder as its jobs' configurations are composed again from Hydra's overrides
+    (by the launcher, and by _validate_jobs): the folder made, or given with ~ expanded, absolute,
+    as a job under hydra.job.chdir=true reads it from its own folder. The override as given named
+    a folder ~ in the current one, so the jobs a sweep run again in ~/... found there were taken
+    for another sweep's."""
+    with open_dict(config):
+        config.hydra.sweep.dir = os.path.abspath(config.hydra.sweep.dir)
+        config.hydra.overrides.hydra = [
+            # as given: hydra.sweep.subdir=${hydra.job.id} resolves in each job
+            *(o for o in OmegaConf.to_container(config.hydra.overrides.hydra)
+              if not o.lstrip("+~").startswith("hydra.sweep.dir=")),
+            override("hydra.sweep.dir", config.hydra.sweep.dir, shell=False)]
+
+
 def _new_folder(config: DictConfig, kind: str):
     """The run's (kind "run") or sweep's folder from the configuration's pattern, which the
     command line does not name, made now and this run's alone: the timestamped default is
@@ -641,9 +652,13 @@ def _refuse_another_runs(folder: Path, config: DictConfig):
 ROOM = 16 * 1024  # what a run's folder must take before it starts: Hydra's .hydra/ records, 3 files of 2-4 kB
 
 
-def _make(folder: str, key: str):
+def _refuse_empty(folder: str, key: str):
     if not str(folder).strip():  # Hydra would write the run into the current folder
         raise ConfigError(f"{key} is empty: give the run a folder ({key}=...)")
+
+
+def _make(folder: str, key: str):
+    _refuse_empty(folder, key)
     try:
         Path(folder).mkdir(parents=True, exist_ok=True)
     except OSError as e:
