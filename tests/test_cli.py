@@ -361,11 +361,15 @@ def test_a_sweep_jobs_value_of_the_wrong_type_says_why(tmp_path):
                                    "optuna)"),
     ("optimizer=glob(zz*)", "optimizer=glob(zz*) sweeps over no value: the sweep would have no jobs; give it one or more"),
     ("trainer.seed=range(0)", "trainer.seed=range(0) sweeps over no value: the sweep would have no jobs; give it one or "
-                              "more")])
+                              "more"),
+    ("trainer.seed=1,2 mode=plan trainer.seed=3", "trainer.seed is given twice (trainer.seed=1,2 and trainer.seed=3): "
+                                                  "the sweep would run the later's values alone; give it once, with "
+                                                  "every value to sweep")])
 def test_a_sweep_the_basic_sweeper_cannot_run_is_one_line(tmp_path, sweep, said):
     """interval() ended in the sweeper's traceback, and a sweep of no jobs in exit 0 with a
-    folder holding only multirun.yaml."""
-    out = run(tmp_path / "sweep", sweep, multirun=True)
+    folder holding only multirun.yaml. A key swept and given again ran one job, the later
+    value's, without a word."""
+    out = run(tmp_path / "sweep", *sweep.split(), multirun=True)
     assert (out.returncode, out.stderr) == (2, said + "\n")
     assert not (tmp_path / "sweep").exists()
 

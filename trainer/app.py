@@ -402,6 +402,12 @@ def _validate_jobs(config: DictConfig, named: bool = False, earlier: dict | None
                               "interval() is for a sweeper that samples (a hydra/sweeper plugin such as optuna)")
         if o.is_sweep_override() and not list(o.sweep_string_iterator()):  # the sweep would launch 0 jobs, and end 0
             raise ConfigError(f"{o.input_line} sweeps over no value: the sweep would have no jobs; give it one or more")
+    first = {}
+    for o in overrides[len(params):]:  # the command line's (of the config's params, it gives the key's values)
+        before = first.setdefault(o.get_key_element(), o)
+        if before is not o and (before.is_sweep_override() or o.is_sweep_override()):  # the sweeper takes the later
+            raise ConfigError(f"{o.get_key_element()} is given twice ({before.input_line} and {o.input_line}): the "
+                              "sweep would run the later's values alone; give it once, with every value to sweep")
     folders, sizes = {}, {}
     for number, job in enumerate(BasicSweeper.split_arguments(overrides, None)[0]):
         try:
