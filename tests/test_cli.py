@@ -207,6 +207,18 @@ def test_a_sweep_goes_on_with_its_overrides_in_another_order_and_runs_its_other_
     assert (sweep / "0" / "plan.json").read_bytes() == plan and (sweep / "1" / "summary.json").read_bytes() == summary
 
 
+def test_a_sweep_goes_on_with_its_swept_keys_in_another_order(tmp_path):
+    """The jobs are numbered by the order of the swept keys: given in another order, each
+    job's folder held another job's records, and the same sweep was refused as another's."""
+    sweep = tmp_path / "sweep"
+    tiny = ["data.train_size=64", "data.val_size=32", "trainer.batch_size=8", "trainer.epochs=1"]
+    assert run(sweep, "trainer.seed=1,2", "optimizer=sgd,nesterov", *tiny, multirun=True).returncode == 0
+    summaries = {job: (sweep / job / "summary.json").read_bytes() for job in "0123"}
+    again = run(sweep, "optimizer=sgd,nesterov", *tiny, "trainer.seed=1,2", multirun=True)
+    assert again.returncode == 0 and again.stdout.count("nothing left to train") == 4, again.stdout + again.stderr
+    assert {job: (sweep / job / "summary.json").read_bytes() for job in "0123"} == summaries
+
+
 def test_a_sweep_stopped_by_stop_after_epoch_goes_on_with_a_later_stop_or_none(tmp_path):
     """trainer.stop_after_epoch stops every job of a sweep as a preemption would; the sweep
     run again without it (or with a later epoch), as the jobs' refusal of the same stop

@@ -338,6 +338,7 @@ class RunDirectory(Callback):
             _refuse_empty(config.hydra.sweep.dir, "hydra.sweep.dir")  # made absolute, it would be the current folder
             _pin_sweep_folder(config)  # its jobs' folders, which _validate_jobs checks, composed with ~ expanded
             sweep = Path(config.hydra.sweep.dir)
+            _sweep_as_started(config, sweep)
             earlier = _failed_before(sweep)
             # their folders; None for a sweeper that chooses them as it goes
             jobs = _validate_jobs(config, named=True, earlier=earlier)
@@ -433,6 +434,30 @@ def _validate_jobs(config: DictConfig, named: bool = False, earlier: dict | None
         except TrainerError as e:
             raise ConfigError(f"sweep job {number} ({_shown(job)}): {e}; no job has run") from None
     return folders
+
+
+def _sweep_as_started(config: DictConfig, sweep: Path):
+    """The command line's swept keys put in the order the sweep's earlier attempt in its folder
+    gave them (its multirun.yaml), which numbers the jobs: the same sweep with its keys in
+    another order (amp=true,false optimizer=sgd,lars) found each job's folder holding another
+    job's records, and was refused as another sweep."""
+    loader = GlobalHydra.instance().config_loader()
+    parser = OverridesParser.create(config_loader=loader)
+    task = OmegaConf.to_container(config.hydra.overrides.task)  # as given: ${...} is the job's to resolve
+    try:
+        earlier = OmegaConf.to_container(OmegaConf.load(sweep / "multirun.yaml").hydra.overrides.task)
+        earlier = [o.get_key_element() for o in parser.parse_overrides(earlier) if o.is_sweep_override()]
+    except (OSError, OmegaConfBaseException, HydraException, TypeError):  # none there, or not a sweep's record
+        return
+    parsed = parser.parse_overrides(task)
+    places = [i for i, o in enumerate(parsed) if o.is_sweep_override()]
+    swept = {parsed[i].get_key_element(): task[i] for i in places}
+    if len(swept) != len(places) or sorted(swept) != sorted(earlier):  # another sweep, or one _validate_jobs refuses
+        return
+    for i, key in zip(places, earlier):
+        task[i] = swept[key]
+    with open_dict(config):
+        config.hydra.overrides.task = task
 
 
 def _check_set_up(cfg: TrainConfig, sizes: dict):
