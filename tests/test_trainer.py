@@ -1420,11 +1420,15 @@ def test_an_export_that_found_the_disk_full_after_its_first_file_runs_again_once
 
 
 def test_multirun_sweeps_two_jobs(tmp_path):
+    """Each job's results are in its line of the sweep's jobs.jsonl too, where the jobs compare:
+    its summary.json (its line held only its overrides)."""
     out = run(tmp_path, "optimizer=sgd,lars", "trainer.epochs=1", *TINY, multirun=True)
     assert out.returncode == 0, out.stdout + out.stderr
-    summaries = sorted(tmp_path.glob("*/summary.json"))
-    assert len(summaries) == 2
-    assert all(json.loads(p.read_text())["steps"] == 16 for p in summaries)
+    summaries = [json.loads((tmp_path / job / "summary.json").read_text()) for job in "01"]
+    assert all(summary["steps"] == 16 for summary in summaries)
+    jobs = [json.loads(line) for line in (tmp_path / "jobs.jsonl").read_text().splitlines()]
+    assert [(job["job"], job["failed"], job["summary"]) for job in jobs] == [(0, None, summaries[0]),
+                                                                             (1, None, summaries[1])]
 
 
 def test_a_sweep_job_that_fails_is_named_at_the_end_and_the_jobs_after_it_run(tmp_path):
@@ -1439,6 +1443,8 @@ def test_a_sweep_job_that_fails_is_named_at_the_end_and_the_jobs_after_it_run(tm
                      r"diverged and stopped", out.stderr), out.stderr
     assert not (tmp_path / "0" / "summary.json").exists()
     assert json.loads((tmp_path / "1" / "summary.json").read_text())["steps"] == 16
+    assert [json.loads(line)["summary"] is None for line in (tmp_path / "jobs.jsonl").read_text().splitlines()] == \
+        [True, False]
     # Run again in its folder, the failed job, with nothing to go on from, stands failed and the
     # others go on (here: the finished one trains nothing), where its records refused the sweep.
     finished, records = (tmp_path / "1" / "summary.json").read_bytes(), (tmp_path / "0" / "metrics.jsonl").read_bytes()

@@ -289,7 +289,7 @@ def _stops_the_run(callback):
     return stopping
 
 
-JOBS = "jobs.jsonl"  # in a sweep's folder: a line for each job that ended, with why it failed
+JOBS = "jobs.jsonl"  # in a sweep's folder: a line for each job that ended, with why it failed or its results
 
 
 class RunDirectory(Callback):
@@ -358,9 +358,11 @@ class RunDirectory(Callback):
         if config.hydra.mode != RunMode.MULTIRUN:
             return
         # main returns JobFailed for a job that failed (a FAILED status's return_value raises)
-        failed = job_return.status == JobStatus.COMPLETED and isinstance(job_return.return_value, JobFailed)
+        ended = job_return.status == JobStatus.COMPLETED
+        failed = ended and isinstance(job_return.return_value, JobFailed)
         job = {"job": config.hydra.job.num, "overrides": _shown(job_return.overrides),
-               "failed": str(job_return.return_value) if failed else None}
+               "failed": str(job_return.return_value) if failed else None,
+               "summary": _summary(Path(config.hydra.runtime.output_dir)) if ended and not failed else None}
         path = Path(config.hydra.sweep.dir) / JOBS
         try:
             with open(path, "a") as f:  # one write: the jobs' lines do not mix
@@ -380,6 +382,15 @@ class RunDirectory(Callback):
             print(f"{len(failed)} of the sweep's {len(jobs)} jobs failed (each job's run.log in "
                   f"{config.hydra.sweep.dir} has its details):\n" + "\n".join(failed), file=sys.stderr)
             raise SystemExit(2)
+
+
+def _summary(run_dir: Path) -> dict | None:
+    """A sweep's job's results, for its JOBS line, so that the sweep's jobs compare in one file:
+    its summary.json, None for a mode that writes none (plan, bench, export)."""
+    try:
+        return json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _validate_jobs(config: DictConfig, named: bool = False, earlier: dict | None = None):
