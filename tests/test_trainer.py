@@ -851,6 +851,18 @@ def test_an_evaluation_of_a_checkpoint_older_than_model_fingerprints_takes_its_o
         assert json.loads((folder / "summary.json").read_text())["val_loss"] == final
 
 
+def test_an_evaluation_by_batches_of_one_image_is_the_runs_own(tmp_path):
+    """mode=eval with trainer.batch_size=1, its evaluation batch, was refused for a training batch of
+    one image, which leaves a fastnet's BatchNorms one value to normalize over: evaluation runs
+    no training step. Its results are those of the run's own evaluation."""
+    assert run(tmp_path / "run", *SMALL).returncode == 0
+    out = run(tmp_path / "eval", "mode=eval", f"checkpoint={tmp_path / 'run'}", "trainer.batch_size=1")
+    assert out.returncode == 0, out.stdout + out.stderr
+    evaluated, trained = (json.loads((tmp_path / name / "summary.json").read_text()) for name in ("eval", "run"))
+    assert evaluated["val_top1"] == trained["val_top1"]
+    assert evaluated["val_loss"] == pytest.approx(trained["val_loss"], rel=1e-5)  # summed in another order
+
+
 def test_an_evaluation_given_two_checkpoints_is_refused(tmp_path):
     """checkpoint= and trainer.resume= (which mode=eval reads where checkpoint= is not given)
     naming two: the second was ignored without a word, even where it named nothing."""

@@ -114,7 +114,9 @@ def check_inputs_fit(model: nn.Module, cfg: TrainConfig, variants: list[Variant]
         for hook in hooks:
             hook.remove()
     for v in variants:
-        if v.train and v.batch * min(values[v.resolution], default=2) == 1:
+        # evaluation plans a training batch for the arena's shape alone and runs no training step, where
+        # a BatchNorm would normalize over the batch: its trainer.batch_size is the evaluation batch
+        if v.train and cfg.mode != "eval" and v.batch * min(values[v.resolution], default=2) == 1:
             raise ConfigError(
                 f"a training batch of one image ({v.name}: trainer.batch_size={cfg.trainer.batch_size}, "
                 f"trainer.drop_last={cfg.trainer.drop_last}) leaves model={cfg.model.name}'s BatchNorms at "
