@@ -302,6 +302,24 @@ def test_options_this_configuration_does_not_read_are_named(overrides, said):
     assert ignored(compose_config(overrides)) == said
 
 
+def test_the_options_mode_plan_does_not_read_are_said_and_change_no_plan(tmp_path):
+    """mode=plan given ema_decay, optimizer.lr, schedule=step or trainer.seed (a sweep's, or a
+    training command with mode=plan added) said nothing: each is named once, as written, and the
+    plan is the one without them; the options the plan reads are named by none."""
+    read = ["ema=true", "optimizer=lars", "amp=true", "trainer.epochs=3", "trainer.batch_size=64"]
+    unread = ["ema_decay=0.9", "optimizer.lr=0.5", "schedule=step", "schedule.gamma=0.5", "trainer.seed=3",
+              "trainer.label_smoothing=0.1", "trainer.checkpoint_every=2", "data.flip=none", "graphs=false"]
+    plain = run_plan(tmp_path / "plain", *read)
+    assert plain.returncode == 0 and "WARNING" not in plain.stdout + plain.stderr, plain.stdout + plain.stderr
+    out = run_plan(tmp_path / "given", *read, *unread)
+    printed = out.stdout + out.stderr
+    assert out.returncode == 0 and printed.count("has no effect") == len(unread), printed
+    for option in unread:
+        assert f"WARNING] - {option} has no effect with mode=plan: it lays out the arena and runs nothing" in printed
+    plans = [json.loads((tmp_path / name / "plan.json").read_text()) for name in ("plain", "given")]
+    assert plans[0] == plans[1]
+
+
 @pytest.mark.parametrize("group", ["model", "optimizer", "schedule", "data", "experiment"])
 def test_no_group_file_sets_what_its_choice_does_not_read(group):
     """Each group file sets only options its own choice reads, so choosing it alone is said
@@ -309,7 +327,9 @@ def test_no_group_file_sets_what_its_choice_does_not_read(group):
     from trainer.config import compose_config, ignored
     for path in sorted((ROOT / "conf" / group).glob("*.yaml")):
         choice = f"+experiment={path.stem}" if group == "experiment" else f"{group}={path.stem}"
-        assert ignored(compose_config([choice, "mode=plan"])) == [], choice  # plan: no data.root needed
+        cfg = compose_config([choice, "mode=plan"])  # plan: no data.root needed
+        cfg.mode = "train"  # judged as training, which reads what plan does not (the schedule's options)
+        assert ignored(cfg) == [], choice
 
 
 @pytest.mark.parametrize("override", ["schedule.milestones.1=50", "model.widths.0=16", "+experiment=cifar10_speed",

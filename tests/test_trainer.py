@@ -851,6 +851,19 @@ def test_an_evaluation_of_a_checkpoint_older_than_model_fingerprints_takes_its_o
         assert json.loads((folder / "summary.json").read_text())["val_loss"] == final
 
 
+def test_the_options_mode_bench_does_not_read_are_said(tmp_path):
+    """mode=bench times steps on random input: trainer.epochs, the data's augmentation and a run's
+    checkpoints given to it changed nothing without a word. Each is named once, as written; the
+    options of the step it times (ema_decay with ema=true, the optimizer's lr) are not."""
+    bench = ["mode=bench", "bench.steps=1", "bench.warmup=1", "bench.baselines=[]", "model=fastnet_tiny", *TINY]
+    unread = ["trainer.epochs=3", "data.flip=none", "trainer.seed=3", "trainer.checkpoint_every=2"]
+    out = run(tmp_path / "bench", *bench, "ema=true", "ema_decay=0.9", "optimizer.lr=0.5", *unread)
+    printed = out.stdout + out.stderr
+    assert out.returncode == 0 and printed.count("has no effect") == len(unread), printed
+    for option in unread:
+        assert f"WARNING] - {option} has no effect with mode=bench: it times training steps on random input" in printed
+
+
 def test_an_evaluation_by_batches_of_one_image_is_the_runs_own(tmp_path):
     """mode=eval with trainer.batch_size=1, its evaluation batch, was refused for a training batch of
     one image, which leaves a fastnet's BatchNorms one value to normalize over: evaluation runs

@@ -45,7 +45,8 @@ def run_plan(cfg: TrainConfig, run_dir: Path):
     from trainer.setup import make_plans
     plans = make_plans(cfg, cfg.dist.plan_ranks or from_env().world)[1]
     if _is_main():
-        for why in ignored(cfg):  # dist.shard_optimizer=true planned for one rank is planned unsharded
+        # dist.shard_optimizer=true planned for one rank is planned unsharded; optimizer.lr is planned by none
+        for why in [*unread_by_mode(cfg, given(HydraConfig.get().overrides.task)), *ignored(cfg)]:
             log.warning("%s", why)
         print(region_table(plans))
         _write_plan(plans, run_dir)
@@ -113,9 +114,11 @@ def _read_by_mode(dict_cfg: DictConfig, hydra: DictConfig, task) -> DictConfig:
     (config.unread_in: optimizer=lars evaluating, data=cifar10 exporting), where it gives any:
     neither what their groups set that the mode reads (data=imagefolder's 1000 classes, in
     an export of a 10 classes' checkpoint) nor a value of theirs that the checks refuse
-    (data=cifar10 without data.root) has any effect then. _take_options says them."""
+    (data=cifar10 without data.root) has any effect then. _take_options says them. mode=plan and
+    mode=bench, which read no checkpoint, are composed with them: they check a training
+    configuration, refusing what training would (optimizer.lr=nan), and say them (run_plan)."""
     read = [o for o in task if not unread_in(dict_cfg.mode, o.partition("=")[0].lstrip("+~"))]
-    if len(read) == len(task):
+    if len(read) == len(task) or dict_cfg.mode in ("plan", "bench"):
         return dict_cfg
     composed = GlobalHydra.instance().config_loader().load_configuration(
         hydra.job.config_name, [*hydra.overrides.hydra, *read], RunMode.RUN)
@@ -242,6 +245,8 @@ def run_bench(cfg: TrainConfig, run_dir: Path):
     from trainer import bench, dist
     device = dist.device_for(cfg.device, dist.from_env())
     if _is_main():
+        for why in unread_by_mode(cfg, given(HydraConfig.get().overrides.task)):  # trainer.epochs, data.flip
+            log.warning("%s", why)
         # an option no timed optimizer reads (optimizer.lars_eta is read where it times lars)
         unread = [ignored(c) for c in bench.with_optimizers(cfg, cfg.bench.optimizers)] or [ignored(cfg)]
         for why in unread[0]:

@@ -752,9 +752,12 @@ _READ_ONLY_WITH = {
 # What the modes that read a checkpoint's weights do not read: evaluation trains nothing (its order of the
 # evaluation set, its views and its data draw nothing from a seed, and it runs no backward, which reads the packed
 # ReLU masks); export builds the model alone, on the CPU, and neither trains nor evaluates it: of the data set and
-# the trainer's options it reads the number of classes (the model's) and the checkpoint alone. Keys and groups
-# (optimizer=..., data=...); given to the mode, each is said, as ignored() says an option its configuration does
-# not read (a sweep may cross one with it), and the configuration is composed without it (app._read_by_mode).
+# the trainer's options it reads the number of classes (the model's) and the checkpoint alone. mode=plan and
+# mode=bench read no checkpoint, feed no image from the data set and keep no run's course (its seed, checkpoints,
+# logs): plan lays out the arena, of the optimizer's options reading its choice alone, and runs nothing; bench times
+# steps on random input, whose time the run's length does not change. Keys and groups (optimizer=..., data=...);
+# given to the mode, each is said, as ignored() says an option its configuration does not read (a sweep may cross
+# one with it), and the configuration is composed without it (app._read_by_mode).
 _TRAINING = ("optimizer", "schedule", "ema_decay", "dist.shard_optimizer", "dist.deep_conv_buckets",
              "model.pack_relu_masks",
              *(f"data.{key}" for key in ("crop_padding", "flip", "cutout", "min_crop_area", "seed_offset")),
@@ -766,10 +769,23 @@ _TRAINING = ("optimizer", "schedule", "ema_decay", "dist.shard_optimizer", "dist
 # where and how the model's steps run: export copies the weights out on the CPU and runs none
 _RUNNING = ("device", "graphs", "kernels", "compile", "compile_options", "compile_cache", "deterministic",
             "model.cudnn_benchmark")
+# how the data set's images are read and augmented, and the course of a run: plan and bench read neither
+_FEEDING = (*(f"data.{key}" for key in ("crop_padding", "flip", "cutout", "min_crop_area", "seed_offset", "threads",
+                                        "decode_cache", "host_decode", "check_files", "val_resize", "tta")),
+            *(f"trainer.{key}" for key in ("seed", "first_conv_init", "checkpoint_every", "keep_checkpoints",
+                                           "stop_after_epoch", "log_every", "eval_every")))
 _UNREAD_BY_MODE = {"eval": (_TRAINING, (), "it evaluates the checkpoint's weights and trains nothing"),
                    "export": (_TRAINING + _RUNNING + ("data", "trainer", "dist"), ("data.num_classes", "trainer.resume"),
                               "it writes out the checkpoint's weights, on the CPU, and neither trains nor evaluates "
-                              "them")}
+                              "them"),
+                   "plan": (_FEEDING + _RUNNING + ("optimizer", "schedule", "ema_decay", "model.pack_relu_masks",
+                                                   "dist.backend", "dist.timeout_s",
+                                                   *(f"trainer.{key}" for key in (
+                                                       "label_smoothing", "ema_every", "ema_warmup_power", "lookahead",
+                                                       "grad_scale_init", "grad_scale_growth_interval"))),
+                            ("optimizer", "optimizer.name"), "it lays out the arena and runs nothing"),
+                   "bench": (_FEEDING + ("trainer.epochs",), (),
+                             "it times training steps on random input, with no data set, checkpoint or log")}
 
 
 def unread_in(mode: str, key: str) -> bool:
