@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.helpers import ROOT, assert_same_state, persistent_state, profile_share, run_py, table_rows
-from trainer import checkpoint
+from trainer import checkpoint, loop
 from trainer.config import compose_config, recorded
 from trainer.dist import Dist
 from trainer.errors import CheckpointError, ConfigError, DivergedError, WriteError
@@ -1021,11 +1021,15 @@ def test_a_resume_goes_on_in_its_runs_folder_with_its_options_and_keeps_its_firs
     assert older.returncode == 2 and "is not its run's newest checkpoint (epoch_0003.pt is)" in older.stderr
 
 
-def test_a_resume_says_the_options_it_gives_that_only_set_where_training_starts_have_no_effect(tmp_path):
+def test_a_resume_says_the_options_it_gives_that_only_set_where_training_starts_have_no_effect(tmp_path, monkeypatch):
     """The head's initial weights, the first conv's and the initial loss scale are the checkpoint's on a resume:
-    given to it, they were listed among the options the command changes, and nothing said they changed nothing."""
+    given to it, they were listed among the options the command changes, and nothing said they changed nothing.
+    Its checkpoints keep the run's own (they recorded the given ones, as if its weights had started so), and
+    trainer.first_conv_init=whiten computes no whitening, which the checkpoint's weights replace."""
     first = run(tmp_path / "run", *SMALL, "amp=true", "trainer.epochs=2", "trainer.stop_after_epoch=1")
     assert first.returncode == 0, first.stdout + first.stderr
+    whitened = []
+    monkeypatch.setattr(loop, "whiten_first_conv", lambda *args: whitened.append(args))
     out = run_py(["model.head_std=0.5", "trainer.first_conv_init=whiten", "trainer.grad_scale_init=1024",
                   "trainer.log_every=7", f"trainer.resume={tmp_path / 'run'}"], tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -1036,6 +1040,10 @@ def test_a_resume_says_the_options_it_gives_that_only_set_where_training_starts_
                       ("trainer.grad_scale_init=1024.0", "the loss scale training starts from")):
         assert (f"WARNING] - {key} has no effect: it sets {what}, and {tmp_path / 'run'} holds its run's own; start "
                 "a new run to use it") in out.stdout, out.stdout
+    assert whitened == []
+    options = [checkpoint.read(tmp_path / "run" / "checkpoints" / f"epoch_000{n}.pt")["meta"]["config"] for n in (1, 2)]
+    assert [(o["model.head_std"], o["trainer.first_conv_init"], o["trainer.grad_scale_init"]) for o in options] == \
+        [(0.0, "default", 65536.0)] * 2
 
 
 def test_a_resume_of_another_length_says_what_its_run_then_never_reaches(tmp_path):

@@ -21,7 +21,8 @@ import torch
 import kernels
 from trainer import checkpoint
 from trainer.arena import HALF
-from trainer.config import RUN_OPTIONS, ScheduleConfig, TrainConfig, ignored, options, take_options, unreached
+from trainer.config import (INITIAL_VALUES, RUN_OPTIONS, ScheduleConfig, TrainConfig, ignored, options, take_options,
+                            unreached)
 from trainer.data import build_sources, dataset_sizes, source_module
 from trainer.data.jpeg_files import forget_listings
 from trainer.dist import Dist, device_for
@@ -73,6 +74,7 @@ class Trainer:
         self.stopped = False  # a torchrun restart or a sweep's job after the checkpoint trainer.stop_after_epoch asked for
         self.images, self.train_seconds, self.first_step_s = 0, 0.0, None  # of this run, as train_epoch adds them
         self.trained_before = {"images": 0, "train_s": 0.0}  # by the runs this one resumes, to its checkpoint
+        self.started_as = {}  # a resumed run's INITIAL_VALUES options, as its checkpoint kept them
         if t.resume:
             try:
                 self._resume(t.resume, evaluate_only)
@@ -129,6 +131,8 @@ class Trainer:
         if evaluate_only:
             return
         self.trained_before = done.get("trained") or self._trained_by_summary(path, done.get("steps"))
+        # its weights and loss scale are the checkpoint's: what a command line gives for them set none of it
+        self.started_as = {key: value for key, value in done.get("config", {}).items() if key in INITIAL_VALUES}
         self._check_epoch_length(path, done.get("steps_per_epoch"), done.get("train_examples"), done.get("config", {}),
                                  done.get("world"))
         self._check_world(path, done.get("world"))
@@ -156,7 +160,7 @@ class Trainer:
             init, sizes = None, None
             if evaluate_only:  # the checkpoint's weights replace the initial ones; one training batch is planned
                 sizes = (t.batch_size * dist.world, dataset_sizes(cfg.data, read_train=False)[1])
-            elif t.first_conv_init == "whiten":
+            elif t.first_conv_init == "whiten" and not t.resume:  # a resume's checkpoint replaces those weights
                 init = lambda model: whiten_first_conv(first_conv(model), data.result()[0].peek(5000))
             self.engine = assemble(cfg, self.device, dist.world, init, grad_sync_factory=dist.grad_sync_factory,
                                    sizes=sizes)
@@ -410,8 +414,9 @@ class Trainer:
         if not self.dist.is_main:
             return
         folder = self.run_dir / "checkpoints"
-        meta = {**self.meta, "config": options(self.cfg), "epoch": epochs_done, "history": self.history,
-                "steps_per_epoch": self.per_epoch, "steps": min(epochs_done * self.per_epoch, self.total_steps),
+        meta = {**self.meta, "config": {**options(self.cfg), **self.started_as}, "epoch": epochs_done,
+                "history": self.history, "steps_per_epoch": self.per_epoch,
+                "steps": min(epochs_done * self.per_epoch, self.total_steps),
                 "schedule_steps": self.total_steps, "train_examples": self.train_source.shard.total,
                 "classes": self.val_source.classes, "trained": self._trained(), "world": self.dist.world}
         checkpoint.save(folder / f"epoch_{epochs_done:04d}.pt", self.arena, meta, per_rank)
