@@ -219,6 +219,17 @@ def test_a_sweep_goes_on_with_its_swept_keys_in_another_order(tmp_path):
     assert {job: (sweep / job / "summary.json").read_bytes() for job in "0123"} == summaries
 
 
+def test_a_sweep_in_folders_named_by_their_overrides_goes_on(tmp_path):
+    """hydra.sweep.subdir=${hydra.job.override_dirname}: run again in its folder, each job's resume composed
+    the defaults again with that override resolved to its folder's name, and ended in Hydra's traceback."""
+    sweep = tmp_path / "sweep"
+    args = ["hydra.sweep.subdir=${hydra.job.override_dirname}", "trainer.seed=1,2", "data.train_size=64",
+            "data.val_size=32", "trainer.batch_size=8", "trainer.epochs=1"]
+    assert run(sweep, *args, multirun=True).returncode == 0
+    again = run(sweep, *args, multirun=True)
+    assert again.returncode == 0 and again.stdout.count("nothing left to train") == 2, again.stdout + again.stderr
+
+
 def test_a_sweep_stopped_by_stop_after_epoch_goes_on_with_a_later_stop_or_none(tmp_path):
     """trainer.stop_after_epoch stops every job of a sweep as a preemption would; the sweep
     run again without it (or with a later epoch), as the jobs' refusal of the same stop

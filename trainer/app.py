@@ -121,10 +121,16 @@ def _read_by_mode(dict_cfg: DictConfig, hydra: DictConfig, task) -> DictConfig:
     if len(read) == len(task) or dict_cfg.mode in ("plan", "bench"):
         return dict_cfg
     composed = GlobalHydra.instance().config_loader().load_configuration(
-        hydra.job.config_name, [*hydra.overrides.hydra, *read], RunMode.RUN)
+        hydra.job.config_name, [*_hydras_overrides(hydra), *read], RunMode.RUN)
     with open_dict(composed):
         del composed["hydra"]
     return composed
+
+
+def _hydras_overrides(hydra: DictConfig) -> list[str]:
+    """Hydra's own overrides as given: read item by item, hydra.sweep.subdir=${hydra.job.override_dirname}
+    resolved to the job's folder name, whose = and , composing the defaults again could not parse."""
+    return OmegaConf.to_container(hydra.overrides.hydra)
 
 
 def _one_checkpoint(a: str, b: str) -> bool:
@@ -176,7 +182,7 @@ def _take_options(cfg: TrainConfig, path: str, keys, hydra: DictConfig, task, sa
         log.warning("%s was written before checkpoints kept every option of their run: give the options it was "
                     "started with (its run's .hydra/overrides.yaml lists them)", path)
     defaults = GlobalHydra.instance().config_loader().load_configuration(
-        hydra.job.config_name, list(hydra.overrides.hydra), RunMode.RUN)
+        hydra.job.config_name, _hydras_overrides(hydra), RunMode.RUN)
     with open_dict(defaults):
         del defaults["hydra"]
     choices = given(task)
