@@ -230,6 +230,22 @@ def test_a_sweep_in_folders_named_by_their_overrides_goes_on(tmp_path):
     assert again.returncode == 0 and again.stdout.count("nothing left to train") == 2, again.stdout + again.stderr
 
 
+def test_a_sweep_job_that_stands_failed_is_found_by_its_overrides(tmp_path):
+    """Run again with a swept key's values in another order, in folders named by their overrides, a job that
+    failed in the earlier attempt stands failed with its own message: its failure was looked up by its job
+    number, and another job's was said."""
+    sweep = tmp_path / "sweep"
+    args = ["hydra.sweep.subdir=${hydra.job.override_dirname}", "data.train_size=64", "data.val_size=32",
+            "trainer.batch_size=8", "trainer.epochs=1"]
+    first = run(sweep, "optimizer.lr=1e9,0.1,1e4", *args, multirun=True)
+    failed = dict(re.findall(r"\njob \d \(optimizer.lr=(\S+) .*?\): (.*)", first.stderr))
+    assert first.returncode == 2 and len(set(failed.values())) == 2, first.stderr  # one diverges, one turns NaN
+    again = run(sweep, "optimizer.lr=1e4,0.1,1e9", *args, multirun=True)
+    assert again.returncode == 2 and again.stderr.startswith("2 of the sweep's 3 jobs failed"), again.stderr
+    said = re.findall(r"\njob (\d) \(optimizer.lr=(\S+) .*?\): (.*) \(in the sweep's earlier attempt; ", again.stderr)
+    assert said == [("0", "10000.0", failed["10000.0"]), ("2", "1000000000.0", failed["1000000000.0"])], again.stderr
+
+
 def test_a_sweep_stopped_by_stop_after_epoch_goes_on_with_a_later_stop_or_none(tmp_path):
     """trainer.stop_after_epoch stops every job of a sweep as a preemption would; the sweep
     run again without it (or with a later epoch), as the jobs' refusal of the same stop

@@ -351,7 +351,7 @@ class RunDirectory(Callback):
             sweep = Path(config.hydra.sweep.dir)
             _sweep_as_started(config, sweep)
             earlier = _failed_before(sweep)
-            # their folders; None for a sweeper that chooses them as it goes
+            # their folders, with their numbers and overrides; None for a sweeper that chooses them as it goes
             jobs = _validate_jobs(config, named=True, earlier=earlier)
             for job in sorted(sweep.iterdir()) if sweep.is_dir() else ():
                 if job.is_dir() and (jobs is None or job not in jobs) and other_run(job, ""):
@@ -360,8 +360,10 @@ class RunDirectory(Callback):
         _hold(config.hydra.sweep.dir)
         if named:  # an earlier attempt's lines, but for the failures its jobs stand by (_refuse_another_jobs):
             # those whose folders, checked as this sweep's own, still hold that attempt's records and no checkpoint
-            failed = [earlier[number] for folder, number in sorted(jobs.items(), key=lambda item: item[1])
-                      if number in earlier and _stands_failed(folder)] if jobs else []
+            # numbered as this attempt numbers them, so that a job's line of this attempt supersedes its own
+            failed = [{**earlier[_failed_key(_shown(job))], "job": number}
+                      for folder, (number, job) in sorted(jobs.items(), key=lambda item: item[1][0])
+                      if _failed_key(_shown(job)) in earlier and _stands_failed(folder)] if jobs else []
             _write_jobs(Path(config.hydra.sweep.dir) / JOBS, failed)
         _pin_sweep_folder(config)
 
@@ -443,10 +445,10 @@ def _validate_jobs(config: DictConfig, named: bool = False, earlier: dict | None
             folder = Path(job_config.hydra.sweep.dir) / job_config.hydra.sweep.subdir
             del job_config["hydra"]
         if folder in folders:  # the later job would be refused there, after Hydra wrote its .hydra/ over the first's
-            raise ConfigError(f"sweep jobs {folders[folder]} and {number} would both run in {folder}: give each job a "
-                              f"folder of its own with hydra.sweep.subdir (its default, ${{hydra.job.num}}, does); no "
+            raise ConfigError(f"sweep jobs {folders[folder][0]} and {number} would both run in {folder}: give each job "
+                              f"a folder of its own with hydra.sweep.subdir (its default, ${{hydra.job.num}}, does); no "
                               "job has run")
-        folders[folder] = number
+        folders[folder] = number, list(job)
         if named:  # a folder the sweep is given, not a new one: before Hydra writes the job's .hydra/ over a run's
             _refuse_another_jobs(folder, job_config, config, number, list(job), earlier or {})
         try:  # with the options a job that reads a checkpoint takes from it, as it will as it starts
@@ -525,7 +527,7 @@ def _refuse_another_jobs(folder: Path, job_config: DictConfig, config: DictConfi
     started = _started_as(folder, config)
     if started is None or _the_job(started) != _the_job(job):
         raise _another_sweeps(sweep, folder)
-    if job_config.mode == "train" and not saved(folder / "checkpoints") and number not in earlier:
+    if job_config.mode == "train" and not saved(folder / "checkpoints") and _failed_key(_shown(job)) not in earlier:
         raise ConfigError(f"{shown} ended before its first checkpoint (stopped, or failed: {folder / 'run.log'} says "
                           f"why), and {folder} holds its records: remove {folder}, then run the sweep again to start "
                           "that job anew")
@@ -539,13 +541,21 @@ def _stands_failed(folder: Path) -> bool:
     return bool(other_run(folder, "")) and not saved(folder / "checkpoints")
 
 
-def _failed_before(sweep: Path) -> dict[int, dict]:
-    """The JOBS lines of the jobs that failed in the sweep's earlier attempt in its folder, by number."""
+def _failed_before(sweep: Path) -> dict[tuple, dict]:
+    """The JOBS lines of the jobs that failed in the sweep's earlier attempt in its folder, by
+    their overrides (_failed_key): its numbers are not this attempt's where a swept key's
+    values come in another order."""
     try:
         jobs = [json.loads(line) for line in (sweep / JOBS).read_text().splitlines()]
-        return {job["job"]: job for job in jobs if job["failed"]}
-    except (OSError, ValueError, KeyError, TypeError):  # none, or not the sweep's record: no job stands failed
+        return {_failed_key(job["overrides"]): job for job in jobs if job["failed"]}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # none, or not the sweep's record
         return {}
+
+
+def _failed_key(shown: str) -> tuple:
+    """A sweep's job by its overrides as a JOBS line shows them (_shown), in any order: a value
+    with a space splits alike in this attempt's job and in the earlier attempt's line."""
+    return tuple(_the_job(shown.split(" ")))
 
 
 def _write_jobs(path: Path, jobs: list[dict]):
@@ -967,7 +977,8 @@ def main(dict_cfg: DictConfig):
         else:
             signal.signal(signal.SIGTERM, _interrupt)
         if swept() and dict_cfg.mode == "train" and _stands_failed(run_dir):
-            before = _failed_before(Path(HydraConfig.get().sweep.dir)).get(HydraConfig.get().job.num)
+            job = _shown(OmegaConf.to_container(HydraConfig.get().overrides.task))
+            before = _failed_before(Path(HydraConfig.get().sweep.dir)).get(_failed_key(job))
             if before:  # its sweep's earlier attempt ended it; run again, it would end so again
                 again = f" (in the sweep's earlier attempt; to start this job anew, remove {run_dir} and run the sweep again)"
                 why = before["failed"] if before["failed"].endswith(again) else before["failed"] + again
