@@ -160,7 +160,7 @@ def test_a_sweep_stopped_part_way_goes_on_in_its_folder(tmp_path, how):
     assert not (sweep / "2").exists()
     finished = (sweep / "0" / "summary.json").read_bytes()
     before = {p: p.read_bytes() for p in sweep.rglob("*") if p.is_file()}
-    other = run(sweep, *SWEEP[:-1], "trainer.seed=2,1,3", multirun=True)
+    other = run(sweep, *SWEEP[:-2], "trainer.epochs=3", SWEEP[-1], multirun=True)
     assert other.returncode == 2 and other.stderr == (
         f"{sweep} holds another sweep's jobs (0/ has its checkpoints or results): give this sweep a folder of its own "
         "(hydra.sweep.dir=...); a sweep goes on in its folder only with the command line it was started with, but "
@@ -244,6 +244,23 @@ def test_a_sweep_job_that_stands_failed_is_found_by_its_overrides(tmp_path):
     assert again.returncode == 2 and again.stderr.startswith("2 of the sweep's 3 jobs failed"), again.stderr
     said = re.findall(r"\njob (\d) \(optimizer.lr=(\S+) .*?\): (.*) \(in the sweep's earlier attempt; ", again.stderr)
     assert said == [("0", "10000.0", failed["10000.0"]), ("2", "1000000000.0", failed["1000000000.0"])], again.stderr
+
+
+@pytest.mark.parametrize("then, now", [(["trainer.seed=1,2,3"], ["trainer.seed=1,2"]),
+                                       (["trainer.seed=1,2", "trainer.epochs=1,2"], ["trainer.seed=1,2", "trainer.epochs=1,2,3"])])
+def test_a_sweep_run_again_with_other_swept_values_says_what_changed(tmp_path, then, now):
+    """A value removed, or one added that numbers the jobs anew, leaves a job's folder to a job the sweep no
+    longer has or to another: the same sweep with a changed command line was refused as another sweep's."""
+    sweep = tmp_path / "sweep"
+    assert run(sweep, "mode=plan", *then, multirun=True).returncode == 0
+    before = {p: p.read_bytes() for p in sweep.rglob("*") if p.is_file()}
+    out = run(sweep, "mode=plan", *now, multirun=True)
+    changed = [(a, b) for a, b in zip(then, now) if a != b]
+    assert out.returncode == 2 and out.stderr == (
+        f"{sweep} holds this sweep's jobs as its earlier attempt swept {' '.join(a for a, _ in changed)}, where this "
+        f"command sweeps {' '.join(b for _, b in changed)}: run it with the earlier values, or give this sweep a folder "
+        "of its own (hydra.sweep.dir=...)\n"), out.stderr
+    assert {p: p.read_bytes() for p in sweep.rglob("*") if p.is_file()} == before
 
 
 def test_a_sweep_stopped_by_stop_after_epoch_goes_on_with_a_later_stop_or_none(tmp_path):

@@ -355,7 +355,7 @@ class RunDirectory(Callback):
             jobs = _validate_jobs(config, named=True, earlier=earlier)
             for job in sorted(sweep.iterdir()) if sweep.is_dir() else ():
                 if job.is_dir() and (jobs is None or job not in jobs) and other_run(job, ""):
-                    raise _another_sweeps(sweep, job)
+                    raise _another_sweeps(sweep, job, config)
             _make(config.hydra.sweep.dir, "hydra.sweep.dir")
         _hold(config.hydra.sweep.dir)
         if named:  # an earlier attempt's lines, but for the failures its jobs stand by (_refuse_another_jobs):
@@ -468,11 +468,10 @@ def _sweep_as_started(config: DictConfig, sweep: Path):
     loader = GlobalHydra.instance().config_loader()
     parser = OverridesParser.create(config_loader=loader)
     task = OmegaConf.to_container(config.hydra.overrides.task)  # as given: ${...} is the job's to resolve
-    try:
-        earlier = OmegaConf.to_container(OmegaConf.load(sweep / "multirun.yaml").hydra.overrides.task)
-        earlier = [o.get_key_element() for o in parser.parse_overrides(earlier) if o.is_sweep_override()]
-    except (OSError, OmegaConfBaseException, HydraException, TypeError):  # none there, or not a sweep's record
+    earlier = _earlier_sweep(sweep)
+    if earlier is None:
         return
+    earlier = [o.get_key_element() for o in earlier if o.is_sweep_override()]
     parsed = parser.parse_overrides(task)
     places = [i for i, o in enumerate(parsed) if o.is_sweep_override()]
     swept = {parsed[i].get_key_element(): task[i] for i in places}
@@ -482,6 +481,34 @@ def _sweep_as_started(config: DictConfig, sweep: Path):
         task[i] = swept[key]
     with open_dict(config):
         config.hydra.overrides.task = task
+
+
+def _earlier_sweep(sweep: Path) -> list | None:
+    """The command line's overrides, parsed, of the sweep's earlier attempt in its folder (its multirun.yaml), or None."""
+    try:
+        task = OmegaConf.to_container(OmegaConf.load(sweep / "multirun.yaml").hydra.overrides.task)
+        return OverridesParser.create(config_loader=GlobalHydra.instance().config_loader()).parse_overrides(task)
+    except (OSError, OmegaConfBaseException, HydraException, TypeError):  # none there, or not a sweep's record
+        return None
+
+
+def _swept_otherwise(sweep: Path, config: DictConfig) -> tuple[list, list] | None:
+    """The swept values of the sweep's earlier attempt in its folder and this command's, where
+    only they differ (a value removed, or one added that numbers the jobs anew): the same sweep
+    with a changed command line, whose jobs' folders hold jobs it no longer has or numbers
+    otherwise. None where it is another sweep."""
+    earlier = _earlier_sweep(sweep)
+    if earlier is None:
+        return None
+    now = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader()).parse_overrides(
+        OmegaConf.to_container(config.hydra.overrides.task))
+    (then_swept, then_fixed), (now_swept, now_fixed) = [
+        ({o.get_key_element(): o.input_line for o in parsed if o.is_sweep_override()},
+         _the_job([o.input_line for o in parsed if not o.is_sweep_override()])) for parsed in (earlier, now)]
+    if then_fixed != now_fixed or sorted(then_swept) != sorted(now_swept) or then_swept == now_swept:
+        return None
+    changed = [key for key in then_swept if then_swept[key] != now_swept[key]]
+    return [then_swept[key] for key in changed], [now_swept[key] for key in changed]
 
 
 def _check_set_up(cfg: TrainConfig, sizes: dict):
@@ -526,7 +553,7 @@ def _refuse_another_jobs(folder: Path, job_config: DictConfig, config: DictConfi
                           f"(hydra.sweep.dir=...), or continue a job's run alone ({override('trainer.resume', folder)})")
     started = _started_as(folder, config)
     if started is None or _the_job(started) != _the_job(job):
-        raise _another_sweeps(sweep, folder)
+        raise _another_sweeps(sweep, folder, config)
     if job_config.mode == "train" and not saved(folder / "checkpoints") and _failed_key(_shown(job)) not in earlier:
         raise ConfigError(f"{shown} ended before its first checkpoint (stopped, or failed: {folder / 'run.log'} says "
                           f"why), and {folder} holds its records: remove {folder}, then run the sweep again to start "
@@ -580,7 +607,11 @@ def _started_as(folder: Path, config: DictConfig) -> list[str] | None:
         return None
 
 
-def _another_sweeps(sweep: Path, job: Path) -> ConfigError:
+def _another_sweeps(sweep: Path, job: Path, config: DictConfig) -> ConfigError:
+    if changed := _swept_otherwise(sweep, config):
+        return ConfigError(f"{sweep} holds this sweep's jobs as its earlier attempt swept {' '.join(changed[0])}, "
+                           f"where this command sweeps {' '.join(changed[1])}: run it with the earlier values, or give "
+                           "this sweep a folder of its own (hydra.sweep.dir=...)")
     return ConfigError(f"{sweep} holds another sweep's jobs ({job.name}/ has its checkpoints or results): give this "
                        "sweep a folder of its own (hydra.sweep.dir=...); a sweep goes on in its folder only with the "
                        f"command line it was started with, but for trainer.stop_after_epoch and the machine's "
