@@ -32,7 +32,7 @@ from trainer.config import (CHECKPOINT_OPTIONS, GOING_ON, INITIAL_VALUES, RUN_OP
                             expand_paths, first_line, given_changes, given_options, ignored, read_by, recorded,
                             replaced_by_checkpoint, take_options, unread_by_mode, unread_in, validate)
 from trainer.errors import CheckpointError, ConfigError, DataError, PeerError, TrainerError, WriteError
-from trainer.run_dir import (continue_with, find_checkpoint, given, launched, other_run, override, ranks,
+from trainer.run_dir import (as_written, continue_with, find_checkpoint, given, launched, other_run, override, ranks,
                              restart_checkpoint, restarted, resumed_folder, saved, swept, writing)
 from trainer.signals import STOPPING, exit_at_once
 
@@ -117,8 +117,9 @@ def _read_by_mode(dict_cfg: DictConfig, hydra: DictConfig, task) -> DictConfig:
     (data=cifar10 without data.root) has any effect then. _take_options says them. mode=plan and
     mode=bench, which read no checkpoint, are composed with them: they check a training
     configuration, refusing what training would (optimizer.lr=nan), and say them (run_plan)."""
-    read = [o for o in task if not unread_in(dict_cfg.mode, o.partition("=")[0].lstrip("+~"))]
-    if len(read) == len(task) or dict_cfg.mode in ("plan", "bench"):
+    written = as_written(task)
+    read = [o for o in written if not unread_in(dict_cfg.mode, o.partition("=")[0].lstrip("+~"))]
+    if len(read) == len(written) or dict_cfg.mode in ("plan", "bench"):
         return dict_cfg
     composed = GlobalHydra.instance().config_loader().load_configuration(
         hydra.job.config_name, [*_hydras_overrides(hydra), *read], RunMode.RUN)
@@ -130,7 +131,7 @@ def _read_by_mode(dict_cfg: DictConfig, hydra: DictConfig, task) -> DictConfig:
 def _hydras_overrides(hydra: DictConfig) -> list[str]:
     """Hydra's own overrides as given: read item by item, hydra.sweep.subdir=${hydra.job.override_dirname}
     resolved to the job's folder name, whose = and , composing the defaults again could not parse."""
-    return OmegaConf.to_container(hydra.overrides.hydra)
+    return as_written(hydra.overrides.hydra)
 
 
 def _one_checkpoint(a: str, b: str) -> bool:
@@ -835,7 +836,7 @@ def _options_to_go_on(cfg: DictConfig, path, hydra: DictConfig) -> tuple[str, ..
         return ()
     if not changed:
         return ()
-    return tuple(shlex.quote(o) for o in hydra.overrides.task if given([o]).keys() != {"trainer.resume"})
+    return tuple(shlex.quote(o) for o in as_written(hydra.overrides.task) if given([o]).keys() != {"trainer.resume"})
 
 
 def _world() -> int:

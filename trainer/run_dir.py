@@ -203,12 +203,17 @@ def run_folder(checkpoint: str) -> Path:
     return (folder.parent if folder.name == "checkpoints" else folder).resolve()
 
 
+def as_written(overrides) -> list[str]:
+    """A command line's overrides as written: Hydra's list of them resolves each as it is read,
+    hydra.sweep.subdir=${hydra.job.id} (no value outside a job), trainer.epochs=${data.foo}
+    (none at all, which validation names by its key)."""
+    return OmegaConf.to_container(overrides) if isinstance(overrides, ListConfig) else list(overrides)
+
+
 def given(overrides) -> dict[str, str]:
     """The keys a command line's overrides give (key=value, +key=value, ~key) and their values,
-    as written: Hydra's list of them would resolve hydra.sweep.subdir=${hydra.job.id}, which
-    has no value outside a job."""
-    written = OmegaConf.to_container(overrides) if isinstance(overrides, ListConfig) else overrides
-    return {key.lstrip("+~"): value for key, _, value in (o.partition("=") for o in written)}
+    as written."""
+    return {key.lstrip("+~"): value for key, _, value in (o.partition("=") for o in as_written(overrides))}
 
 
 def resumed_folder(resume: str) -> Path | None:
