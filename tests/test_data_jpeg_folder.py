@@ -111,6 +111,30 @@ def test_later_epochs_fed_ahead_serve_their_own_order(tree):
         assert labels == [LABEL_OF_COLOR[c] for data, _, _ in batches for c in colors_of(data)]
 
 
+def test_evaluation_images_are_torchvisions_resize_and_center_crop(tmp_path):
+    """The view of each evaluation image is torchvision's Resize(round(resolution * val_resize))
+    then CenterCrop(resolution), pixel for pixel: DALI's resize_shorter=27.36 kept the
+    fractional scale and rounded the long side (33 pixels where torchvision makes 32), and its
+    center crop rounded a half pixel up, so views were shifted by up to a pixel."""
+    from torchvision.transforms import CenterCrop, Resize
+    root = tmp_path / "shapes"
+    # (width, height): either side the short one, long sides whose crop margin is odd and even
+    sizes = [(33, 40), (40, 50), (61, 33), (61, 40), (47, 47), (71, 50)]
+    for split in ("train", "val"):
+        for name in ("a", "b"):
+            (root / split / name).mkdir(parents=True)
+            for i, (w, h) in enumerate(sizes):
+                y, x = np.mgrid[0:h, 0:w]  # smooth ramps: a shifted or rescaled view differs by several levels
+                image = np.stack([x * 255 // w, y * 255 // h, (x + 2 * y) * 255 // (w + 2 * h)], -1)
+                Image.fromarray(image.astype(np.uint8)).save(root / split / name / f"{i}.png")
+    _, val = build_sources(config(root, num_classes=2, val_batch=12), CPU, 0, 1, None)
+    (data, _, _), = serve(val, (12,), 24)
+    got = data * torch.tensor(IMAGENET_STD) * 255 + torch.tensor(IMAGENET_MEAN) * 255
+    view = [CenterCrop(24)(Resize(round(24 * 1.14))(Image.open(f).convert("RGB"))) for f in val.files]
+    want = torch.from_numpy(np.stack([np.asarray(v) for v in view])).float()
+    torch.testing.assert_close(got, want, atol=2.01, rtol=0)  # the two libraries' interpolation rounds apart
+
+
 def test_host_decode_changes_nothing_on_a_cpu(photo_tree):
     """It split each batch between two pipelines on the host, each cropping from a seed of
     its own: other crops than host_decode=0, another run (host_decode=1 matched 0)."""

@@ -1,9 +1,10 @@
 """Folders of JPEGs (or PNGs) per class (root/train/<class>/*.jpg, root/val/<class>/*.jpg) through DALI.
 
 Training: random-resized crop (decoded only inside the crop) and flip; evaluation: resize
-the short side to resolution * data.val_resize and take the center. The host feeds the
-files' paths in the epoch's order, `IN_FLIGHT` batches ahead of the loop; DALI's threads
-read them, so neither the file reads nor their bytes pass through Python.
+the short side to resolution * data.val_resize, rounded, and take the center, as torchvision's
+Resize and CenterCrop do (`center_view`). The host feeds the files' paths in the epoch's
+order, `IN_FLIGHT` batches ahead of the loop; DALI's threads read them, so neither the file
+reads nor their bytes pass through Python.
 
 Decoding: the first data.host_decode of each batch is decoded on the host's cores
 (libjpeg-turbo), the rest by the GPU's JPEG engines (device="mixed"), each part by a
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from nvidia.dali import fn, types
+from nvidia.dali import fn, math as dali_math, types
 
 from trainer.config import DataConfig
 from trainer.data.dali import DaliSource
@@ -70,6 +71,22 @@ def resized_crop_windows(shapes: list[np.ndarray], draws: list[np.ndarray], min_
     x = np.where(found, np.floor(u[:, 2 * k] * (w - width + 1)), (w - width) // 2)
     y = np.where(found, np.floor(u[:, 2 * k + 1] * (h - height + 1)), (h - height) // 2)
     return list(np.stack([x, y], 1).astype(np.float32)), list(np.stack([width, height], 1).astype(np.float32))
+
+
+def center_view(images, jpegs, resolution: int, short: int):
+    """The evaluation view, torchvision's Resize(short) then CenterCrop(resolution) pixel for
+    pixel: the long side int(short * long / short side), the crop's corner (side -
+    resolution) / 2 rounded half to even, as Python's round(). DALI's own (resize_shorter,
+    a centered crop) keeps a fractional size's scale, rounds the long side and rounds a half
+    pixel up: views up to a pixel off torchvision's."""
+    shape = fn.peek_image_shape(jpegs)
+    h, w = shape[0], shape[1]
+    sides = [dali_math.max(short, short * h // w), dali_math.max(short, short * w // h)]  # (height, width)
+    images = fn.resize(images, size=fn.cast(fn.stack(*sides), dtype=types.FLOAT))
+    margins = [side - resolution for side in sides]
+    corner = [m // 2 + (m & (m // 2) & 1) for m in margins]  # an odd half of an odd margin rounds up
+    return fn.slice(images, start=fn.cast(fn.stack(*corner), dtype=types.INT32), shape=[resolution, resolution],
+                    axis_names="HW")
 
 
 def read(path: str) -> np.ndarray:
@@ -138,7 +155,7 @@ class JpegFolderSource(DaliSource):
             images = images.gpu()
         if augment:
             return fn.resize(images, size=[resolution, resolution])
-        return fn.resize(images, resize_shorter=resolution * self.d.val_resize)
+        return center_view(images, jpegs, resolution, round(resolution * self.d.val_resize))
 
     def inputs(self, examples: np.ndarray) -> dict:
         return {"paths": [self.paths[i] for i in examples]}
