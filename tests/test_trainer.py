@@ -1528,8 +1528,9 @@ def test_a_sweep_with_a_bad_value_in_a_late_job_runs_no_job(tmp_path):
     (["trainer.lowres_epochs=1", "trainer.lowres_resolution=16,8"], "8x8 images are too small for model=fastnet"),
     (["trainer.first_conv_freeze_epochs=0.5", "trainer.stem_norm_freeze_epochs=0.5", "model.stem_norm=bias,none"],
      "cannot freeze the stem's norm: the model has no BatchNorm right after its first conv"),
-    (["kernels=torch,triton"], "kernels=triton: Triton kernels need a CUDA device (this run uses cpu)")],
-    ids=["batch", "resolution", "freeze", "kernels"])
+    (["kernels=torch,triton"], "kernels=triton: Triton kernels need a CUDA device (this run uses cpu)"),
+    (["data.crop_padding=2,16"], "data.crop_padding=16 is not smaller than the images (16x16)")],
+    ids=["batch", "resolution", "freeze", "kernels", "crop_padding"])
 def test_a_sweep_whose_late_job_its_set_up_would_refuse_runs_no_job(tmp_path, monkeypatch, late, said):
     """What the set-up refuses beyond the values' own checks (the data's size, the model's,
     a freeze, the kernels) stopped a sweep only once the jobs before had trained."""
