@@ -1,5 +1,7 @@
-"""The options README.md and docs/DESIGN.md name are the configuration's: a renamed or removed
-key left in the prose sends a reader to a command that is refused."""
+"""The options README.md and docs/DESIGN.md name are the configuration's (a renamed or removed
+key left in the prose sends a reader to a command that is refused), and trainer/config.py,
+where README.md sends readers for every key, has a comment for each."""
+import ast
 import importlib
 import re
 from pathlib import Path
@@ -45,3 +47,15 @@ def test_the_group_options_the_readme_names_are_in_conf():
     missing = sorted(f"{group}={option}" for group, names in chosen for option in re.split(r"[,|]", names)
                      if not (CONF / group / f"{option}.yaml").exists())
     assert not missing, f"README.md chooses group options conf/ does not have: {missing}"
+
+
+def test_every_key_is_documented_in_the_schema():
+    """README.md sends readers to trainer/config.py for every key: each field of its dataclasses has a comment on
+    its line or on the line above (a section, model: ModelConfig, is its class's fields)."""
+    source = (ROOT / "trainer" / "config.py").read_text()
+    lines = source.splitlines()
+    bare = [f"{cls.name}.{node.target.id}" for cls in ast.parse(source).body if isinstance(cls, ast.ClassDef)
+            and any(ast.unparse(d) == "dataclass" for d in cls.decorator_list)
+            for node in cls.body if isinstance(node, ast.AnnAssign) and not ast.unparse(node.annotation).endswith("Config")
+            and "#" not in lines[node.lineno - 1] and not lines[node.lineno - 2].lstrip().startswith("#")]
+    assert not bare, f"trainer/config.py leaves these keys without a comment: {bare}"

@@ -26,7 +26,7 @@ from trainer.run_dir import ranks
 @dataclass
 class ModelConfig:
     name: str = MISSING  # resnet18 | resnet34 | resnet50 | resnet101 | cifar_resnet | fastnet
-    num_classes: int = II("data.num_classes")
+    num_classes: int = II("data.num_classes")  # the data's: give data.num_classes
     depth: int = 20  # cifar_resnet: 6n+2
     width: int = 16  # cifar_resnet: first stage's channels (16 is the paper's; more is "wide")
     widths: list[int] = field(default_factory=lambda: [64, 256, 256])  # fastnet: channels per group
@@ -50,9 +50,9 @@ class OptimizerConfig:
     name: str = MISSING  # sgd | momentum | nesterov | adam | adamw | lars | muon
     lr: float = 0.1  # peak learning rate, at the nominal batch size below (muon: of the non-Muon part)
     momentum: float = 0.9  # momentum for SGD variants and LARS; beta1 for Adam
-    beta2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 5e-4
+    beta2: float = 0.999  # Adam's second-moment decay
+    eps: float = 1e-8  # Adam's denominator term
+    weight_decay: float = 5e-4  # the weight block's (adamw: decoupled from the gradient); bias_weight_decay below
     bias_weight_decay: bool = False  # decay the bias block (BN and FC biases, BN weights) too
     bias_lr_scale: float = 1.0  # the bias block's lr multiplier; its weight decay is divided by it (lr x decay kept)
     lars_eta: float = 0.001  # LARS trust coefficient
@@ -60,7 +60,7 @@ class OptimizerConfig:
     # values above): the step of each filter bank, whose norm is kept at sqrt(out channels), so
     # neither weight decay nor the decoupled form applies; it follows the schedule.
     muon_lr: float = 0.02
-    muon_momentum: float = 0.95
+    muon_momentum: float = 0.95  # Muon's Nesterov momentum
     newton_schulz_steps: int = 5  # iterations of the orthogonalization
     # Decoupled form (airbench's units): lr and weight decay per 1024 examples of steps normalized
     # by 1 + 1/(1 - momentum), so a recipe keeps its meaning when the batch size changes; the
@@ -73,10 +73,10 @@ class OptimizerConfig:
 class ScheduleConfig:
     name: str = "cosine"  # constant | cosine | linear | step | poly
     warmup_epochs: float = 0.0  # linear warm-up from warmup_start_fraction of the peak
-    warmup_start_fraction: float = 0.0
+    warmup_start_fraction: float = 0.0  # of the peak, where the warm-up starts
     final_fraction: float = 0.0  # where the decay ends, after the last step, as a fraction of the peak
     milestones: list[float] = field(default_factory=list)  # step: epochs where lr is multiplied by gamma
-    gamma: float = 0.1
+    gamma: float = 0.1  # step: the factor at each milestone
     power: float = 2.0  # poly
 
 
@@ -86,12 +86,12 @@ class DataConfig:
     # a folder with train/ and val/ of class folders of .jpg/.jpeg/.png images (their subfolders
     # are not read); cifar10 takes test/ for val/, reads it as a .tgz/.tar too, and CIFAR's python batches
     root: str = ""
-    num_classes: int = 10
+    num_classes: int = 10  # the model's logits follow it (model.num_classes)
     resolution: int = 32  # training crop and evaluation size
     # synthetic: examples to generate; others: examples to take from the split, 0 all (cifar10:
     # CIFAR-10's full 50,000 / 10,000, which the data must hold exactly)
     train_size: int = 0
-    val_size: int = 0
+    val_size: int = 0  # as train_size, of the evaluation split
     crop_padding: int = 4  # small-image random crop: pad by this, crop back
     flip: str = "random"  # random | alternating | none
     cutout: int = 0  # cifar10 training: a square of this side (pixels of the stored image), centered at random, set to the mean; 0 off
@@ -115,10 +115,10 @@ class TrainerConfig:
     drop_last: bool = True  # training: leave out an epoch's last partial batch (evaluation always takes every example)
     # (false: under torchrun the epoch's last (size % ranks) examples are still left out, a different few each
     # epoch, so that every rank takes as many steps of as many examples)
-    seed: int = 0
-    label_smoothing: float = 0.0
+    seed: int = 0  # the model's initial weights, and with data.seed_offset the data's order and augmentation
+    label_smoothing: float = 0.0  # the loss's target: 1 - this on the label, this spread over every class
     lowres_epochs: int = 0  # progressive resizing: train these first epochs at lowres_resolution
-    lowres_resolution: int = 0
+    lowres_resolution: int = 0  # progressive resizing: the first epochs' crop size
     first_conv_init: str = "default"  # default | whiten (from the training data's patches)
     first_conv_freeze_epochs: float = -1.0  # freeze the first conv after this many epochs; -1 never
     # freeze the BatchNorm right after the first conv (the stem's norm) after this many epochs (-1
@@ -134,8 +134,8 @@ class TrainerConfig:
     stop_after_epoch: int = 0  # end this run after that epoch (as if preempted); resume continues
     log_every: int = 50  # steps between metric reads
     eval_every: int = 1  # epochs between evaluations (the last epoch is always evaluated)
-    grad_scale_init: float = 65536.0
-    grad_scale_growth_interval: int = 2000
+    grad_scale_init: float = 65536.0  # amp with fp16: the loss scale training starts from; halved on an overflow
+    grad_scale_growth_interval: int = 2000  # steps without an overflow after which the loss scale doubles
 
 
 @dataclass
@@ -143,7 +143,7 @@ class DistConfig:
     backend: str = "auto"  # auto (nccl on GPUs, gloo on CPU) | nccl | gloo
     shard_optimizer: bool = False  # ZeRO stage 1: each rank keeps and updates a share of M/V (N: replicated)
     deep_conv_buckets: int = 4  # all-reduce buckets over G_DEEP_CONV, issued in reverse layer order
-    timeout_s: int = 600
+    timeout_s: int = 600  # how long a rank waits for the others in a collective before the job ends
     # mode=plan: the plan of one rank of a job of this many processes, its share of the data
     # and (under shard_optimizer) of the moments; 0: this job's (torchrun's WORLD_SIZE, else 1)
     plan_ranks: int = 0
@@ -152,7 +152,8 @@ class DistConfig:
 @dataclass
 class BenchConfig:
     steps: int = 40  # timed steps; the median is reported
-    warmup: int = 10
+    warmup: int = 10  # untimed steps before them
+    # the hand-written PyTorch loops timed beside ours
     baselines: list[str] = field(default_factory=lambda: ["eager_bf16", "eager_fp16", "compile_bf16"])
     # the plain loops autotune cuDNN, as a loop written for speed does; false leaves them
     # torch's default, cuDNN's heuristic choice (the loop the issue's baselines were timed with)
@@ -166,10 +167,10 @@ class BenchConfig:
 @dataclass
 class TrainConfig:
     mode: str = "train"  # train | plan | eval | export | bench
-    amp: bool = False
+    amp: bool = False  # mixed precision: forward and backward in half precision (amp_dtype), fp32 master weights
     amp_dtype: str = "fp16"  # fp16 (dynamic loss scaling) | bf16
-    ema: bool = False
-    ema_decay: float = 0.999
+    ema: bool = False  # keep an exponential moving average of the weights, which evaluation and export read
+    ema_decay: float = 0.999  # the average's decay a step
     fold_bn: bool = False  # evaluate with BatchNorm folded into a per-channel scale and bias
     graphs: bool = True  # on a GPU, replay captured CUDA graphs; false runs the same program eagerly
     # the same bits in every run of a configuration, and a resumed run the bits of an
