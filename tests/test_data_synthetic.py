@@ -5,6 +5,7 @@ import time
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.helpers import serve
 from trainer.config import DataConfig, TrainConfig, TrainerConfig
@@ -132,14 +133,19 @@ def test_unfinished_epoch_last_partial_batch_and_low_resolution():
     train.start_epoch(0, 16)
     train.fill(torch.empty(32, 16, 16, 3), torch.empty(32, dtype=torch.int32), None, None)
     # a fractional epoch stops early; the next starts clean, at low resolution
-    train.start_epoch(1, 8)
-    labels = []
-    for n in (32, 32, 32, 4):
-        data, label = torch.empty(n, 8, 8, 3), torch.empty(n, dtype=torch.int32)
-        train.fill(data, label, None, None)
-        labels += label.tolist()
-        assert data.abs().sum() > 0
+    low = serve(train, (32, 32, 32, 4), 8, epoch=1)
+    labels = [lab for _, label, _ in low for lab in label.tolist()]
     assert np.bincount(labels).tolist() == [10] * 10  # each of the 100 examples once
+    # the same crops and flips (same epoch) at full resolution, resized: antialiased bilinear, whose taps
+    # past an edge DALI's resize reads as the edge's pixel; at half size they reach 2 past it, so the crop
+    # edged by 2 of its edge's pixels, halved, less its new border, is the same 8x8 (where torch's own
+    # border would weigh the taps inside the image alone)
+    full = torch.cat([data for data, _, _ in serve(train, (32, 32, 32, 4), 16, epoch=1)]).permute(0, 3, 1, 2)
+    edged = F.pad(full, (2, 2, 2, 2), mode="replicate")
+    expected = F.interpolate(edged, size=(10, 10), mode="bilinear", antialias=True)[..., 1:-1, 1:-1]
+    # within the rounding of DALI's uint8 result, in levels of 0..255
+    torch.testing.assert_close(denormalize(train, torch.cat([data for data, _, _ in low])),
+                               denormalize(train, expected.permute(0, 2, 3, 1)), atol=0.51, rtol=0)
 
 
 def test_epochs_shorter_than_the_prefetch_depth():
