@@ -145,14 +145,44 @@ def test_host_decode_changes_nothing_on_a_cpu(photo_tree):
     assert train.parts == 1 and torch.equal(*served)
 
 
-def test_last_partial_batch_low_resolution_and_half(tree):
-    train, _ = build_sources(config(tree, batch=4, drop_last=False), CPU, 0, 1, torch.float16)
-    assert train.shard.batches == [4, 4, 4, 3]
+def test_last_partial_batch_low_resolution_and_half(tmp_path):
+    """Each training image is torchvision's resized_crop of its window (deterministic=true's, drawn
+    from the seed) at the epoch's resolution, flipped where drawn: low, then full resolution, fp16."""
+    from torchvision.transforms.functional import hflip, resized_crop
+    from trainer.data.jpeg_folder import resized_crop_windows
+    from trainer.data.source import flips, resized_crop_draws
+    root = tmp_path / "waves"
+    for name in ("a", "b"):
+        for split, sizes in (("train", [(48, 40), (40, 50), (61, 33), (56, 44)]), ("val", [(40, 40)])):
+            (root / split / name).mkdir(parents=True)
+            for i, (w, h) in enumerate(sizes):
+                # ramps: a shifted, rescaled or unflipped view differs by several levels; a wave of about
+                # 9 pixels: so does another filter (the ramps, linear, come out of any filter the same)
+                y, x = np.mgrid[0:h, 0:w]
+                image = np.stack([x * 255 // w, y * 255 // h, 128 + 100 * np.sin(x / 1.5 + y / 2.3)], -1)
+                Image.fromarray(image.astype(np.uint8)).save(root / split / name / f"{i}.png")
+    torch.use_deterministic_algorithms(True)  # as use_device sets it before the data is built (conftest resets it)
+    train, _ = build_sources(config(root, num_classes=2, batch=3, drop_last=False), CPU, 0, 1, torch.float16)
+    assert train.shard.batches == [3, 3, 2]
     for epoch, resolution in ((0, 16), (1, 24)):  # progressive resizing: low, then full
-        batches = serve(train, (4, 4, 4, 3), resolution, channels=4, dtype=torch.float16, epoch=epoch)
-        for data, label, _ in batches:
-            assert torch.all(data[..., 3] == 0)
-            assert [LABEL_OF_COLOR[c] for c in colors_of(data)] == label.tolist()
+        batches = serve(train, (3, 3, 2), resolution, channels=4, dtype=torch.float16, epoch=epoch)
+        data = torch.cat([data for data, _, _ in batches])
+        assert torch.all(data[..., 3] == 0)
+        examples = train.shard.epoch(train.seed, epoch).examples
+        assert torch.cat([label for _, label, _ in batches]).tolist() == train.labels[examples].tolist()
+        images = [Image.open(train.files[i]).convert("RGB") for i in examples]
+        draws = resized_crop_draws(train.shard.total, CROP_ATTEMPTS, train.seed, epoch)[examples]
+        corners, sides = resized_crop_windows([np.array((im.height, im.width, 3)) for im in images], list(draws),
+                                              train.d.min_crop_area)
+        flipped = flips(train.d.flip, train.shard.total, train.seed, epoch)[examples]
+        views = [resized_crop(im, int(y), int(x), int(h), int(w), [resolution, resolution])
+                 for im, (x, y), (w, h) in zip(images, corners, sides)]
+        want = torch.from_numpy(np.stack([np.asarray(hflip(v) if f else v) for v, f in zip(views, flipped)])).float()
+        got = data[..., :3].float() * torch.tensor(IMAGENET_STD) * 255 + torch.tensor(IMAGENET_MEAN) * 255
+        # a level apart where the libraries round apart, and fp16's rounding; the wave in the border only
+        # differs more, where the filters reach past the window (DALI repeats its edge, PIL weighs what is inside)
+        torch.testing.assert_close(got[..., :2], want[..., :2], atol=1.25, rtol=0)
+        torch.testing.assert_close(got[:, 1:-1, 1:-1, 2], want[:, 1:-1, 1:-1, 2], atol=1.25, rtol=0)
 
 
 def test_val_shards_mask_their_padding(tree):
