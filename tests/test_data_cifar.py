@@ -32,18 +32,22 @@ def fake_images(n: int, offset: int) -> np.ndarray:
     return img
 
 
-@pytest.fixture(scope="module")
-def batches(tmp_path_factory) -> Path:
-    """cifar-10-batches-py with 5 x 8 training and 12 test images."""
-    root = tmp_path_factory.mktemp("cifar") / "cifar-10-batches-py"
-    root.mkdir()
+def write_batches(folder: Path) -> Path:
+    """cifar-10-batches-py with 5 x 8 training and 12 test images, made in folder: folder."""
+    root = folder / "cifar-10-batches-py"
+    root.mkdir(parents=True)
     files = [(f"data_batch_{i}", fake_images(8, 8 * (i - 1))) for i in range(1, 6)]
     files.append(("test_batch", fake_images(N_VAL, 100)))
     for name, img in files:
         rows = img.transpose(0, 3, 1, 2).reshape(len(img), -1)
         labels = [int(v) % 10 for v in img[:, 0, 0, 0]]
         (root / name).write_bytes(pickle.dumps({b"data": rows, b"labels": labels}))
-    return root.parent  # the folder that holds cifar-10-batches-py
+    return folder
+
+
+@pytest.fixture(scope="module")
+def batches(tmp_path_factory) -> Path:
+    return write_batches(tmp_path_factory.mktemp("cifar"))
 
 
 def config(root, batch=8, val_batch=0, crop_padding=4, flip="random", drop_last=True, **data):

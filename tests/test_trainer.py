@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from tests.helpers import ROOT, assert_same_state, persistent_state, profile_share, run_py, table_rows
+from tests.test_data_cifar import write_batches
 from trainer import checkpoint, loop
 from trainer.config import compose_config, recorded
 from trainer.dist import Dist
@@ -1539,6 +1540,20 @@ def test_a_sweep_whose_late_job_its_set_up_would_refuse_runs_no_job(tmp_path, mo
     out = run(sweep, "trainer.epochs=2", "device=cpu", *late, *TINY[:2], multirun=True)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert out.stderr.startswith("sweep job 1 (") and said in out.stderr and out.stderr.endswith("; no job has run\n")
+    assert not sweep.exists()
+
+
+def test_a_sweep_whose_late_job_pads_cifar10s_crops_as_wide_as_its_images_runs_no_job(tmp_path):
+    """data=cifar10's padding is checked against its 32x32 images in the data's set-up, which
+    stopped the sweep only once job 0 had trained."""
+    sweep = tmp_path / "sweep"
+    out = run(sweep, "data=cifar10", f"data.root={write_batches(tmp_path / 'cifar')}", "data.crop_padding=2,40",
+              "data.train_size=40", "data.val_size=12", "trainer.batch_size=8", "trainer.epochs=1", "device=cpu",
+              multirun=True)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.startswith("sweep job 1 (") and out.stderr.endswith(
+        "data.crop_padding=40 is not smaller than the images (32x32), which training crops pad by reflecting them; "
+        "set data.crop_padding to at most 31; no job has run\n"), out.stderr
     assert not sweep.exists()
 
 

@@ -515,18 +515,17 @@ def _swept_otherwise(sweep: Path, config: DictConfig) -> tuple[list, list] | Non
 def _check_set_up(cfg: TrainConfig, sizes: dict):
     """What a job's set-up refuses beyond validate(), for a sweep's jobs before the first:
     a batch larger than the data set, images the model shrinks to nothing, a freeze of a
-    part the model lacks, Triton kernels without a GPU, the embedded set's crop padding. The
-    plan is built (a fraction of a second); the data set's size is read once for the jobs
-    that share its options (`sizes`)."""
+    part the model lacks, Triton kernels without a GPU, a crop padding not smaller than the
+    small images (the embedded set's, CIFAR-10's). The plan is built (a fraction of a
+    second); the data set's size is read once for the jobs that share its options (`sizes`)."""
     import kernels
-    from trainer.data import dataset_sizes
-    from trainer.data.source import check_crop_padding
+    from trainer.data import dataset_sizes, source_module
     from trainer.dist import Dist, device_for
     from trainer.setup import make_plans
     if cfg.mode == "train":
         kernels.load(cfg.kernels, device_for(cfg.device, Dist()))
-    if cfg.mode == "train" and cfg.data.name == "synthetic":  # its images, made as the run starts, are resolution square
-        check_crop_padding(cfg.data.crop_padding, cfg.data.resolution, cfg.data.resolution, "with the mean color")
+    if cfg.mode == "train" and cfg.data.name in ("synthetic", "cifar10"):  # the data sets whose training crops pad
+        source_module(cfg.data).check_training_crops(cfg.data)
     data = repr(cfg.data)
     if data not in sizes:
         sizes[data] = dataset_sizes(cfg.data)

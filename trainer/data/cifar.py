@@ -21,8 +21,8 @@ from trainer.data.dali import decode_all
 from trainer.data.jpeg_files import (IMAGE_SUFFIXES, OTHER_IMAGE_SUFFIXES, broken_links, check_bytes, class_folders,
                                      empty_class_folder, find_split, hidden, list_split, looking_into_folders,
                                      one_folder, other_kinds, printable, read_error, same_classes)
-from trainer.data.resident import ResidentSource
-from trainer.data.source import Shard, subset
+from trainer.data.resident import PAD, ResidentSource
+from trainer.data.source import Shard, check_crop_padding, subset
 from trainer.data.tar import Damaged, Members, tar_files
 from trainer.errors import DataError
 
@@ -279,6 +279,12 @@ def decode(root: Path, raw: bytes | None, d: DataConfig, sizes: dict[str, int]) 
                             "data=cifar10 reads CIFAR-10's 32x32 images: use data=imagefolder for images of other sizes")
         out[f"{split}_images"], out[f"{split}_labels"] = images.numpy(), labels
     return out
+
+
+def check_training_crops(d: DataConfig) -> None:
+    """data.crop_padding against CIFAR-10's 32x32 images before they are read, as the training
+    source checks it: a sweep's jobs are checked before the first runs."""
+    check_crop_padding(d.crop_padding, 32, 32, PAD)
 
 
 def sources(d: DataConfig, train: Shard, val: Shard, seed: int, device: torch.device, half: torch.dtype | None,

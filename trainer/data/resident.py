@@ -13,6 +13,8 @@ from trainer.config import DataConfig
 from trainer.data.source import EpochPlan, Shard, check_crop_padding, crop_offsets, cutout_corners, flips, on
 from trainer.errors import DataError
 
+PAD = "by reflecting them"  # how training crops pad the images, as check_crop_padding says it
+
 
 class ResidentSource:
     """Random crop with padding, flip and cutout for training, the plain image for evaluation.
@@ -34,7 +36,7 @@ class ResidentSource:
                             f"{images.shape[2]}), on which the square is drawn; set data.cutout to at most "
                             f"{min(images.shape[1:3])}")
         if augment:
-            check_crop_padding(d.crop_padding, images.shape[1], images.shape[2], "by reflecting them")
+            check_crop_padding(d.crop_padding, images.shape[1], images.shape[2], PAD)
         self.mean = torch.tensor(mean, device=images.device) * 255
         self.inv_std = 1 / (torch.tensor(std, device=images.device) * 255)
         self._plan: EpochPlan | None = None

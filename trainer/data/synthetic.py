@@ -61,6 +61,11 @@ class SyntheticSource(DaliSource):
         return {**super().draws(epoch), "corner": corners.astype(np.int32)}
 
 
+def check_training_crops(d: DataConfig) -> None:
+    """data.crop_padding against the images, data.resolution square, before they are made."""
+    check_crop_padding(d.crop_padding, d.resolution, d.resolution, "with the mean color")
+
+
 def channel_stats(images: np.ndarray) -> tuple[list[float], list[float]]:
     """Each channel's mean and standard deviation on a 0..1 scale, exactly, from a histogram
     of its uint8 values (no float copy of the data set)."""
@@ -77,7 +82,7 @@ def sources(d: DataConfig, train: Shard, val: Shard, seed: int, device: torch.de
     if d.num_classes != NUM_CLASSES:
         raise DataError(f"the synthetic data set has {NUM_CLASSES} classes but data.num_classes="
                         f"{d.num_classes}; set data.num_classes={NUM_CLASSES}")
-    check_crop_padding(d.crop_padding, d.resolution, d.resolution, "with the mean color")
+    check_training_crops(d)
     size, available = (train.total + val.total) * d.resolution ** 2 * 3, host_memory_available()
     if available is not None and size > available:  # numpy would refuse with a traceback, or the kernel kill the run
         raise DataError(f"the synthetic data set of {train.total + val.total:,} images at data.resolution="
