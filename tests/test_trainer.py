@@ -2114,6 +2114,10 @@ def test_cutout_beyond_the_resident_small_images_is_refused(overrides):
     (["optimizer=adamw", "optimizer.decoupled=true"], "optimizer.decoupled=true with optimizer=adamw: its units are"),
     (["optimizer.decoupled=true", "optimizer.nominal_batch=256"], "already scales with the batch"),
     (["mode=bench", "bench.baselines=[]", "bench.optimizers=[]"], "mode=bench has nothing to time"),  # an empty table
+    # two rows of one name: the first eager_bf16's ratio against itself read 0.98x, the later row's time its base
+    (["mode=bench", "bench.baselines=[eager_bf16,compile_bf16,eager_bf16]"],
+     re.escape("bench.baselines=[eager_bf16,compile_bf16,eager_bf16] names eager_bf16 more than once")),
+    (["mode=bench", "bench.optimizers=[lars,momentum,lars]"], "bench.optimizers=.* names lars more than once"),
 ])
 def test_settings_that_would_be_ignored_or_misread_are_refused(overrides, message):
     """Each would otherwise train without a word, or fail in a traceback: a key added by +

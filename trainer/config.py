@@ -472,6 +472,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for name in cfg.bench.optimizers:
         if name not in OPTIMIZERS:
             raise ConfigError(f"bench.optimizers: {name!r} is not one of {', '.join(OPTIMIZERS)}")
+    for key, names in (("bench.baselines", cfg.bench.baselines), ("bench.optimizers", cfg.bench.optimizers)):
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:  # a second row of one name: the ratio columns read the later eager_bf16, the earlier one not 1.00x
+            raise ConfigError(f"{key}=[{','.join(names)}] names {', '.join(twice)} more than once: each method is "
+                              "timed once; list it once")
     if cfg.mode == "bench" and not (cfg.bench.baselines or cfg.bench.optimizers):  # an empty table, written
         raise ConfigError("bench.baselines and bench.optimizers are both empty: mode=bench has nothing to time; give "
                           "either a method")
