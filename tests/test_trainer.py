@@ -2055,20 +2055,6 @@ def test_bench_out_appends_the_table_and_one_that_cannot_be_written_keeps_it_in_
     assert "| ours momentum" in (tmp_path / "b" / "bench.md").read_text()
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["kernels=triton"], "kernels=triton: Triton kernels need a CUDA device"),
-    (["data.train_size=64", "trainer.batch_size=128"], "trainer.batch_size=128 is larger than the 64 training examples"),
-])
-def test_what_our_set_up_refuses_stops_the_bench_before_any_method_is_timed(tmp_path, overrides, message):
-    """Our step's set-up refused these only after the plain loops had been timed (on a GPU,
-    minutes of it, torch.compile's included): our plan and kernels are checked first."""
-    out = run(tmp_path / "a", "mode=bench", "bench.steps=1", "bench.warmup=0", "bench.baselines=[eager_bf16]",
-              "device=cpu", *overrides)
-    printed = out.stdout + out.stderr
-    assert out.returncode == 2 and message in printed and "Traceback" not in printed, printed
-    assert "timing eager_bf16" not in printed, printed
-
-
 def test_bench_profile_rows_sets_how_many_kernels_a_profile_lists():
     from trainer import bench
     cfg = config("mode=bench", "bench.steps=1", "bench.warmup=0", "bench.profile=1", "bench.profile_rows=2")

@@ -17,10 +17,9 @@ from datetime import date
 import torch
 from torch.nn import functional as F
 
-from kernels import load as load_kernels
 from trainer.config import TrainConfig
 from trainer.feeder import BUFFERS
-from trainer.setup import assemble, make_model, make_plans, use_device
+from trainer.setup import assemble, make_model, use_device
 
 log = logging.getLogger("trainer")
 
@@ -287,16 +286,11 @@ def warm_process(device):
 
 def run(cfg: TrainConfig, device, optimizers: list[str]) -> str:
     use_device(device, cfg)  # cfg.model.cudnn_benchmark holds for ours; bench.baseline_autotune for the plain loops
-    timed = with_optimizers(cfg, optimizers)
-    for c in timed:  # what our set-up refuses (Triton kernels without a GPU, a batch larger than the data set) stops
-        # the bench here, not after the plain loops' minutes of timing and compiling
-        load_kernels(c.kernels, device)
-        make_plans(c)
     if device.type == "cuda":
         torch.cuda.init()
     warm_process(device)
     results = [plain_loop(cfg, m, device) for m in cfg.bench.baselines]
-    results += [ours(c, device) for c in timed]
+    results += [ours(c, device) for c in with_optimizers(cfg, optimizers)]
     return table(cfg, results, device)
 
 
